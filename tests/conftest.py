@@ -1,0 +1,46 @@
+"""Shared helpers: run real processes with a clean launch environment and a hard time limit."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "tests" / "scripts"
+CONFIGS = ROOT / "accelerate_configs"
+# Variables a launcher leaves behind would make a child think it is a rank of some other job.
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+               "TORCHELASTIC_RUN_ID", "TOOLKIT_ENGINE", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND",
+               "ACCELERATE_USE_CPU", "SLURM_PROCID", "SLURM_STEP_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
+               "CUDA_VISIBLE_DEVICES")
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCHELASTIC_ERROR_FILE": ""})
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run(cmd, timeout=180, check=True, cwd=ROOT, **env):
+    """Run `cmd` (list), return CompletedProcess with text output; fail the test on a non-zero exit."""
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=clean_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\n"
+                    f"STDERR:\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+PY = sys.executable
+TORCHRUN = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+ACCELERATE = [PY, "-m", "accelerate.commands.launch"]
+TOOLKIT = [PY, "-m", "toolkit.cli"]

@@ -1,0 +1,12 @@
+"""A distributed-training toolkit: one Accelerator-API contract over four engines.
+
+>>> import toolkit
+>>> accelerator = toolkit.build_accelerator()   # engine chosen from how the process was launched
+"""
+
+from toolkit.engines import ENGINES, build_accelerator, resolve_engine
+from toolkit.errors import UserError
+from toolkit.launch_env import LaunchEnv, read_launch_env
+
+__all__ = ["ENGINES", "LaunchEnv", "UserError", "build_accelerator", "read_launch_env", "resolve_engine"]
+__version__ = "0.1.0"

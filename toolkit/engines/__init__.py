@@ -1,0 +1,81 @@
+"""The engine factory: the only place that chooses between engines.
+
+Which engine runs, in order of precedence:
+1. `build_accelerator(engine=...)` when it is not "auto";
+2. the TOOLKIT_ENGINE environment variable (`toolkit launch --engine E` sets it for its children);
+3. "auto", from how the process was launched: `accelerate launch` -> accelerate; torchrun, the legacy
+   torch.distributed.launch, srun and mpirun -> ddp; plain `python` -> single.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from toolkit.errors import UserError, install_excepthook
+from toolkit.launch_env import LaunchEnv, read_launch_env
+
+# Imported lazily so that choosing ddp never imports accelerate.
+ENGINES = {
+    "accelerate": "toolkit.engines.accelerate_engine:AccelerateEngine",
+    "ddp": "toolkit.engines.ddp:RawDDPEngine",
+    "dp": "toolkit.engines.dp:DataParallelEngine",
+    "single": "toolkit.engines.single:SingleEngine",
+}
+AUTO_BY_LAUNCHER = {
+    "accelerate": "accelerate",
+    "torchrun": "ddp",
+    "torch.distributed.launch": "ddp",
+    "slurm": "ddp",
+    "mpi": "ddp",
+    "python": "single",
+}
+
+
+def resolve_engine(engine: str | None, env: LaunchEnv) -> str:
+    """The engine name that `build_accelerator(engine)` would use in this environment."""
+    name = engine if engine not in (None, "", "auto") else (env.engine or "auto")
+    if name == "auto":
+        name = AUTO_BY_LAUNCHER[env.launcher]
+    if name not in ENGINES:
+        raise UserError(f"unknown engine {name!r}; choose one of auto, {', '.join(ENGINES)}.")
+    return name
+
+
+def build_accelerator(engine: str = "auto", **kwargs):
+    """Build the engine for this process. kwargs are Accelerator's own (mixed_precision,
+    gradient_accumulation_steps, ...) plus `timeout` (seconds) for collectives.
+
+    >>> accelerator = build_accelerator("single")
+    >>> accelerator.num_processes
+    1
+    """
+    install_excepthook()
+    env = read_launch_env()
+    if env.accelerate_lost_processes:
+        raise UserError(
+            "accelerate launch was asked for several processes but started only this one (a MULTI_CPU profile "
+            "needs mpirun); use `toolkit launch` or a profile with distributed_type MULTI_GPU."
+        )
+    name = resolve_engine(engine, env)
+    module_name, class_name = ENGINES[name].split(":")
+    engine_class = getattr(importlib.import_module(module_name), class_name)
+    built = engine_class(env, **kwargs)
+    check_world(built, env)
+    return built
+
+
+def check_world(engine, env: LaunchEnv):
+    """Refuse to train when the group that formed is not the world the launcher announced."""
+    if engine.num_processes != env.world_size:
+        raise UserError(
+            f"the launcher started {env.world_size} processes but the {engine.name} engine formed a group of "
+            f"{engine.num_processes}: the ranks would train independently; check the profile and the launcher."
+        )
+    if env.world_size > 1:
+        import torch
+
+        mine = torch.tensor([engine.process_index, engine.num_processes], device=engine.device)
+        views = engine.gather(mine.unsqueeze(0)).tolist()
+        ranks, worlds = sorted(v[0] for v in views), {v[1] for v in views}
+        if ranks != list(range(env.world_size)) or worlds != {env.world_size}:
+            raise UserError(f"the ranks disagree about the world (rank, size per process: {views}); relaunch all of them.")

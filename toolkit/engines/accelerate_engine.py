@@ -1,0 +1,53 @@
+"""A real `accelerate.Accelerator`, with one correction for machines without CUDA.
+
+Accelerate 1.16 launched with several processes on a CPU-only machine either starts N processes that
+each believe they are alone (a MULTI_GPU profile: with no CUDA its state falls back to `NO`) or a
+single process (a MULTI_CPU profile without mpirun). Passing `cpu=True` whenever no GPU is visible
+makes the first case a real gloo group; the factory refuses the second before training starts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import random
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
+
+from toolkit.errors import UserError
+
+
+class AccelerateEngine:
+    """Every call goes to the Accelerator (`engine.accelerator`); anything not listed here is forwarded."""
+
+    name = "accelerate"
+
+    def __init__(self, env, *, timeout: float | None = None, **kwargs):
+        self.env = env
+        self.seed = 0
+        if not torch.cuda.is_available():
+            kwargs.setdefault("cpu", True)
+        if kwargs.get("mixed_precision") == "fp16" and (kwargs.get("cpu") or not torch.cuda.is_available()):
+            raise UserError("fp16 mixed precision needs a CUDA device; use bf16 (or no) on CPU.")
+        # Seeded sampling makes the data order a function of (seed, epoch), the same as the other engines.
+        kwargs.setdefault("dataloader_config", DataLoaderConfiguration(use_seedable_sampler=True, data_seed=0))
+        if timeout is not None:
+            handlers = list(kwargs.pop("kwargs_handlers", None) or [])
+            handlers.append(InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout)))
+            kwargs["kwargs_handlers"] = handlers
+        try:
+            self.accelerator = Accelerator(**kwargs)
+        except (ValueError, TypeError) as error:
+            raise UserError(f"accelerate refused the settings: {error}") from None
+
+    def __getattr__(self, name):
+        # Only reached for names not defined here: the whole Accelerator API stays available.
+        return getattr(self.__dict__["accelerator"], name)
+
+    def set_seed(self, seed: int, device_specific: bool = True):
+        """Seed every RNG (plus the rank when device_specific) and the samplers' data order."""
+        self.seed = int(seed)
+        self.accelerator.dataloader_config.data_seed = self.seed
+        set_seed(self.seed, device_specific=device_specific)
+        random.seed(self.seed + (self.accelerator.process_index if device_specific else 0))

@@ -1,0 +1,99 @@
+"""Raw `torch.distributed` + `DistributedDataParallel`, as launched by torchrun (no Accelerate here).
+
+NCCL on CUDA, gloo on CPU. Each process pins `cuda:<local_rank>`; the rendezvous comes from the
+environment torchrun (or `toolkit launch`, srun, mpirun) set, as `read_launch_env` read it.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from toolkit.engines.base import TorchEngine
+from toolkit.errors import UserError
+
+DEFAULT_TIMEOUT_S = 600
+
+
+class RawDDPEngine(TorchEngine):
+    name = "ddp"
+
+    def __init__(self, env, *, timeout: float = DEFAULT_TIMEOUT_S, **kwargs):
+        super().__init__(env, **kwargs)
+        self._owns_group = False
+        if not dist.is_initialized():
+            self._init_group(env, timeout)
+        self._rank, self._world = dist.get_rank(), dist.get_world_size()
+
+    def _select_device(self):
+        if self.use_cpu:
+            return torch.device("cpu")
+        local_rank = self.env.local_rank
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(
+                f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible on this node; "
+                "launch at most that many processes per node."
+            )
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+
+    def _init_group(self, env, timeout):
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if env.world_size > 1 and (env.master_addr is None or env.master_port is None):
+            raise UserError("the ddp engine needs MASTER_ADDR and MASTER_PORT; launch with torchrun or toolkit launch.")
+        init_method = f"tcp://{env.master_addr or '127.0.0.1'}:{env.master_port or 29500}"
+        if env.world_size == 1 and env.master_port is None:
+            # A 1-process group still needs a store; a free local port keeps two such runs apart.
+            from toolkit.launcher import free_port
+
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+            device_id=self.device if self.device.type == "cuda" else None,
+        )
+        self._owns_group = True
+
+    process_index = property(lambda self: self._rank)
+    local_process_index = property(lambda self: self.env.local_rank)
+    num_processes = property(lambda self: self._world)
+
+    def _wrap_model(self, model):
+        if self.device.type == "cuda":
+            return DistributedDataParallel(model, device_ids=[self.device.index], output_device=self.device.index)
+        return DistributedDataParallel(model)
+
+    def _no_sync(self, model):
+        return model.no_sync()
+
+    def wait_for_everyone(self):
+        dist.barrier()
+
+    def end_training(self):
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False
+
+    def _all_gather(self, tensor):
+        tensor = tensor.contiguous()
+        size = torch.tensor([tensor.shape[0]], device=tensor.device)
+        sizes = [torch.zeros_like(size) for _ in range(self._world)]
+        dist.all_gather(sizes, size)
+        sizes = [int(s.item()) for s in sizes]
+        longest = max(sizes)
+        if tensor.shape[0] < longest:  # all_gather needs equal shapes: pad, then cut each piece back
+            pad = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
+            tensor = torch.cat([tensor, pad])
+        pieces = [torch.empty_like(tensor) for _ in range(self._world)]
+        dist.all_gather(pieces, tensor)
+        return torch.cat([piece[:n] for piece, n in zip(pieces, sizes)])
+
+    def _all_reduce(self, tensor, op):
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor / self._world if op == "mean" else tensor

@@ -1,0 +1,145 @@
+"""The one place that reads how this process was launched.
+
+Every launcher leaves a different trail in the environment: torchrun and `accelerate launch` (which runs
+torchrun inside) set RANK/WORLD_SIZE/LOCAL_RANK; the legacy `python -m torch.distributed.launch` also
+passes `--local-rank=N` (or `--local_rank=N`) on the command line; `srun` sets SLURM_*; mpirun sets
+OMPI_*/PMI_*; plain `python` sets nothing. `read_launch_env()` turns that into one frozen `LaunchEnv`,
+which the rest of the toolkit reads and never mutates.
+
+>>> env = read_launch_env(environ={}, argv=["train.py"])
+>>> (env.launcher, env.rank, env.world_size)
+('python', 0, 1)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+# Variables `accelerate launch` sets for its children, whichever launcher it picks.
+_ACCELERATE_MARKERS = ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND")
+_LEGACY_LOCAL_RANK = re.compile(r"^--local[-_]rank(?:=(\d+))?$")
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Who launched this process and where it sits in the world."""
+
+    launcher: str  # "torchrun", "accelerate", "torch.distributed.launch", "slurm", "mpi" or "python"
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    device: str  # "cuda:<local_rank>" when CUDA is visible, else "cpu"
+    master_addr: str | None = None
+    master_port: int | None = None
+    # `accelerate launch` gave us MASTER_ADDR/PORT but no WORLD_SIZE: it was asked for several processes
+    # and started only this one (a MULTI_CPU profile without mpirun does exactly that).
+    accelerate_lost_processes: bool = False
+    engine: str | None = None  # TOOLKIT_ENGINE, as `toolkit launch --engine` sets it
+    mixed_precision: str | None = None  # ACCELERATE_MIXED_PRECISION, from the profile via either launcher
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _int(environ: Mapping[str, str], *names: str, default: int | None = None) -> int | None:
+    for name in names:
+        value = environ.get(name)
+        if value not in (None, ""):
+            try:
+                # SLURM writes per-node counts as "2(x3)": the leading number is the count.
+                return int(re.match(r"\d+", value).group(0)) if name.startswith("SLURM_") else int(value)
+            except (ValueError, AttributeError):
+                raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+    return default
+
+
+def _legacy_local_rank(argv: Sequence[str]) -> int | None:
+    for i, arg in enumerate(argv):
+        match = _LEGACY_LOCAL_RANK.match(arg)
+        if match:
+            value = match.group(1) if match.group(1) is not None else (argv[i + 1] if i + 1 < len(argv) else "")
+            return int(value)
+    return None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: "gpu[03-05,09],cpu1" -> "gpu03"."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        return nodelist
+    prefix, ranges = match.group(1), match.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _device(local_rank: int) -> str:
+    import torch
+
+    return f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+
+
+def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> LaunchEnv:
+    """Read the launch environment once; see the module docstring for what each launcher sets."""
+    environ = os.environ if environ is None else environ
+    argv = sys.argv if argv is None else argv
+    by_accelerate = any(name in environ for name in _ACCELERATE_MARKERS)
+    legacy_local_rank = _legacy_local_rank(argv)
+    master_addr = environ.get("MASTER_ADDR") or None
+    master_port = _int(environ, "MASTER_PORT")
+    engine = environ.get("TOOLKIT_ENGINE") or None
+
+    if "RANK" in environ and "WORLD_SIZE" in environ:  # torchrun, accelerate launch, legacy launch
+        if by_accelerate:
+            launcher = "accelerate"
+        elif legacy_local_rank is not None:
+            launcher = "torch.distributed.launch"
+        else:
+            launcher = "torchrun"
+        world_size = _int(environ, "WORLD_SIZE")
+        local_rank = _int(environ, "LOCAL_RANK", default=legacy_local_rank if legacy_local_rank is not None else 0)
+        local_world = _int(environ, "LOCAL_WORLD_SIZE", default=world_size)
+        node_rank = _int(environ, "GROUP_RANK", "NODE_RANK", default=0)
+        rank = _int(environ, "RANK")
+    elif "OMPI_COMM_WORLD_SIZE" in environ or "PMI_SIZE" in environ:
+        launcher = "mpi"
+        rank = _int(environ, "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+        world_size = _int(environ, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+        local_rank = _int(environ, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", default=0)
+        local_world = _int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", default=world_size)
+        node_rank = _int(environ, "OMPI_COMM_WORLD_NODE_RANK", default=0)
+    elif "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ:  # inside `srun`, one task per rank
+        launcher = "slurm"
+        rank = _int(environ, "SLURM_PROCID")
+        world_size = _int(environ, "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", default=1)
+        local_rank = _int(environ, "SLURM_LOCALID", default=0)
+        local_world = _int(environ, "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", default=world_size)
+        node_rank = _int(environ, "SLURM_NODEID", default=0)
+        if master_addr is None and environ.get("SLURM_STEP_NODELIST", environ.get("SLURM_NODELIST")):
+            master_addr = first_slurm_host(environ.get("SLURM_STEP_NODELIST") or environ["SLURM_NODELIST"])
+    else:
+        launcher = "accelerate" if by_accelerate else "python"
+        rank, world_size, local_world, node_rank = 0, 1, 1, 0
+        local_rank = legacy_local_rank or 0
+
+    return LaunchEnv(
+        launcher=launcher,
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=local_world,
+        node_rank=node_rank,
+        device=_device(local_rank),
+        master_addr=master_addr,
+        master_port=master_port,
+        accelerate_lost_processes=by_accelerate and world_size == 1 and master_port is not None,
+        engine=engine,
+        mixed_precision=environ.get("ACCELERATE_MIXED_PRECISION") or None,
+    )

@@ -1,0 +1,87 @@
+"""Accelerate YAML profiles, read by accelerate's own parser so its errors stay its own.
+
+>>> profile = load_profile("accelerate_configs/multi_gpu.yaml")
+>>> (profile.num_processes, profile.num_machines)
+(2, 1)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toolkit.errors import UserError
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The topology and precision a profile asks for (the launcher's view of it)."""
+
+    path: str
+    distributed_type: str  # "NO", "MULTI_GPU", "MULTI_CPU", ...
+    num_processes: int  # over all machines, as in accelerate
+    num_machines: int
+    machine_rank: int
+    main_process_ip: str | None
+    main_process_port: int | None
+    rdzv_backend: str
+    gpu_ids: str | None  # "all", "0,1", or None
+    mixed_precision: str
+    use_cpu: bool
+
+    @property
+    def processes_per_machine(self) -> int:
+        return self.num_processes // self.num_machines
+
+
+def load_profile(path: str) -> Profile:
+    """Load and validate an accelerate profile; every problem becomes one UserError sentence."""
+    import yaml
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    try:
+        config = load_config_from_file(path)
+    except FileNotFoundError:
+        raise UserError(f"no accelerate profile at {path}; see accelerate_configs/ for the shipped ones.") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise UserError(f"{path} is not valid YAML{where}; fix the syntax or start from accelerate_configs/.") from None
+    except (ValueError, TypeError, AttributeError, KeyError) as error:
+        raise UserError(f"accelerate rejected {path}: {' '.join(str(error).split())}") from None
+    profile = Profile(
+        path=path,
+        distributed_type=str(getattr(config.distributed_type, "value", config.distributed_type)),
+        num_processes=int(config.num_processes),
+        num_machines=int(config.num_machines or 1),
+        machine_rank=int(config.machine_rank or 0),
+        main_process_ip=config.main_process_ip,
+        main_process_port=None if config.main_process_port is None else int(config.main_process_port),
+        rdzv_backend=config.rdzv_backend or "static",
+        gpu_ids=None if config.gpu_ids is None else str(config.gpu_ids),
+        mixed_precision=str(config.mixed_precision or "no"),
+        use_cpu=bool(config.use_cpu),
+    )
+    check_profile(profile)
+    return profile
+
+
+def check_profile(profile: Profile):
+    """Topology mistakes accelerate itself lets through."""
+    if profile.num_processes < 1:
+        raise UserError(f"{profile.path}: num_processes must be at least 1, not {profile.num_processes}.")
+    if profile.num_machines < 1:
+        raise UserError(f"{profile.path}: num_machines must be at least 1, not {profile.num_machines}.")
+    if profile.num_processes % profile.num_machines:
+        raise UserError(
+            f"{profile.path}: num_processes ({profile.num_processes}) must be a multiple of num_machines "
+            f"({profile.num_machines}); it counts processes over all machines."
+        )
+    if not 0 <= profile.machine_rank < profile.num_machines:
+        raise UserError(f"machine_rank {profile.machine_rank} is outside 0..{profile.num_machines - 1} for {profile.path}.")
+    if profile.num_machines > 1 and not profile.main_process_ip:
+        raise UserError(f"{profile.path}: a profile with several machines needs main_process_ip (the rank-0 host).")
+    port = profile.main_process_port
+    if port is not None and not 0 <= port <= 65535:
+        raise UserError(f"{profile.path}: main_process_port {port} is outside 0..65535.")
+    if profile.rdzv_backend not in ("static", "c10d"):
+        raise UserError(f"{profile.path}: rdzv_backend must be static or c10d, not {profile.rdzv_backend!r}.")
