@@ -8,8 +8,8 @@ class UserError(Exception):
     """A mistake the user can fix (bad flag, missing data, bad config): reported as one sentence, exit code 2."""
 
 
-def report(error: BaseException) -> int:
-    print(f"error: {error}", file=sys.stderr, flush=True)
+def report(error: BaseException, stream=None) -> int:
+    print(f"error: {error}", file=stream or sys.stderr, flush=True)
     return 2
 
 
@@ -21,7 +21,8 @@ def install_excepthook():
 
     def hook(kind, value, traceback):
         if isinstance(value, UserError):
-            report(value)
+            # The real stderr: torch.distributed's own hook swaps sys.stderr for a buffer around ours.
+            report(value, stream=sys.__stderr__)
             sys.stdout.flush()
             os._exit(2)  # skip interpreter teardown: a half-formed process group can hang it
         previous(kind, value, traceback)

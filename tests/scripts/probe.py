@@ -14,10 +14,11 @@ import toolkit
 parser = argparse.ArgumentParser()
 parser.add_argument("--engine", default="auto")
 parser.add_argument("--out", required=True)
+parser.add_argument("--accelerate-cpu-false", action="store_true", help="Accelerate's own CPU behaviour")
 parser.add_argument("--local-rank", "--local_rank", type=int, help="legacy torch.distributed.launch")
 args = parser.parse_args()
 
-accelerator = toolkit.build_accelerator(args.engine)
+accelerator = toolkit.build_accelerator(args.engine, **({"cpu": False} if args.accelerate_cpu_false else {}))
 rank_sum = accelerator.reduce(torch.tensor([float(accelerator.process_index)], device=accelerator.device), "sum")
 loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(9)), batch_size=2))
 gathered = torch.cat([accelerator.gather_for_metrics(x) for (x,) in loader])

@@ -45,6 +45,16 @@ class AccelerateEngine:
         # Only reached for names not defined here: the whole Accelerator API stays available.
         return getattr(self.__dict__["accelerator"], name)
 
+    # Settable Accelerator properties: without these, assignment would land on the engine, not on Accelerate.
+    gradient_accumulation_steps = property(
+        lambda self: self.accelerator.gradient_accumulation_steps,
+        lambda self, value: setattr(self.accelerator, "gradient_accumulation_steps", value),
+    )
+    sync_gradients = property(
+        lambda self: self.accelerator.sync_gradients,
+        lambda self, value: setattr(self.accelerator, "sync_gradients", value),
+    )
+
     def set_seed(self, seed: int, device_specific: bool = True):
         """Seed every RNG (plus the rank when device_specific) and the samplers' data order."""
         self.seed = int(seed)

@@ -1,0 +1,113 @@
+"""The launch environment is read in one place, and every shipped profile loads with accelerate's parser."""
+
+import dataclasses
+
+import pytest
+from accelerate.commands.config.config_args import load_config_from_file
+
+from conftest import CONFIGS, TOOLKIT, run
+from toolkit.engines import resolve_engine
+from toolkit.errors import UserError
+from toolkit.launch_env import first_slurm_host, read_launch_env
+from toolkit.launcher import plan_launch
+from toolkit.profiles import load_profile
+
+TORCHRUN_ENV = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+                "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x"}
+CASES = {
+    "python": ({}, [], ("python", 0, 0, 1, 0), "single"),
+    "torchrun": (TORCHRUN_ENV, [], ("torchrun", 3, 1, 4, 1), "ddp"),
+    "accelerate": ({**TORCHRUN_ENV, "ACCELERATE_MIXED_PRECISION": "bf16"}, [], ("accelerate", 3, 1, 4, 1), "accelerate"),
+    "legacy": ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, ["--local-rank=1"],
+               ("torch.distributed.launch", 1, 1, 2, 0), "ddp"),
+    "legacy_underscore": ({"RANK": "0", "WORLD_SIZE": "2"}, ["--local_rank", "0"],
+                          ("torch.distributed.launch", 0, 0, 2, 0), "ddp"),
+    "slurm": ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
+               "SLURM_STEP_ID": "0", "SLURM_NTASKS_PER_NODE": "2(x4)", "SLURM_NODELIST": "gpu[03-06]"}, [],
+              ("slurm", 5, 1, 8, 2), "ddp"),
+    "mpi": ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}, [],
+            ("mpi", 1, 1, 2, 0), "ddp"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_read_launch_env(case):
+    environ, extra_argv, expected, auto_engine = CASES[case]
+    env = read_launch_env(environ, ["train.py", *extra_argv])
+    assert (env.launcher, env.rank, env.local_rank, env.world_size, env.node_rank) == expected
+    assert env.device == "cpu"
+    assert resolve_engine("auto", env) == auto_engine
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        env.rank = 0  # read once, never mutated
+
+
+def test_slurm_first_host_and_engine_precedence():
+    assert first_slurm_host("gpu[03-05,09],cpu1") == "gpu03"
+    assert read_launch_env(CASES["slurm"][0], ["x"]).master_addr == "gpu03"
+    env = read_launch_env({**TORCHRUN_ENV, "TOOLKIT_ENGINE": "accelerate"}, ["x"])
+    assert resolve_engine("auto", env) == "accelerate"  # TOOLKIT_ENGINE beats the launcher
+    assert resolve_engine("dp", env) == "dp"  # an explicit argument beats both
+    with pytest.raises(UserError, match="unknown engine"):
+        resolve_engine("horovod", env)
+
+
+def test_accelerate_simple_launcher_that_lost_processes_is_noticed():
+    env = read_launch_env({"ACCELERATE_MIXED_PRECISION": "no", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, ["x"])
+    assert env.launcher == "accelerate" and env.accelerate_lost_processes
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_profile_loads_with_accelerates_parser(path):
+    config = load_config_from_file(str(path))  # raises on any key accelerate does not know
+    profile = load_profile(str(path))
+    assert profile.num_processes == config.num_processes >= 1
+    text = path.read_text()
+    keys = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert all("#" in line for line in keys), "every key carries a comment"
+
+
+def test_launch_plans():
+    multi_gpu = load_profile(str(CONFIGS / "multi_gpu.yaml"))
+    ddp = plan_launch(multi_gpu, "ddp", ["train.py", "--lr", "1"], gpus=2)
+    assert ddp.command[1:3] == ["-m", "torch.distributed.run"] and ddp.env["TOOLKIT_ENGINE"] == "ddp"
+    assert ddp.command[ddp.command.index("--nproc_per_node") + 1] == "2"
+    assert ddp.command[ddp.command.index("--master_addr") + 1] == "127.0.0.1"
+    assert ddp.command[-3:] == ["train.py", "--lr", "1"]
+    node = load_profile(str(CONFIGS / "multi_node.yaml"))
+    node1 = plan_launch(dataclasses.replace(node, machine_rank=1), "ddp", ["t.py"], gpus=2)
+    assert node1.command[node1.command.index("--nnodes") + 1] == "2"
+    assert node1.command[node1.command.index("--node_rank") + 1] == "1"
+    assert node1.command[node1.command.index("--master_addr") + 1] == "10.0.0.1"
+    c10d = plan_launch(dataclasses.replace(node, rdzv_backend="c10d"), "ddp", ["t.py"], gpus=2)
+    assert c10d.command[c10d.command.index("--rdzv_endpoint") + 1] == "10.0.0.1:29500"
+    ids = plan_launch(dataclasses.replace(multi_gpu, gpu_ids="1,0"), "accelerate", ["t.py"], gpus=2)
+    assert ids.env["CUDA_VISIBLE_DEVICES"] == "1,0" and "accelerate.commands.launch" in ids.command
+    assert plan_launch(multi_gpu, "dp", ["t.py"], gpus=2).command[1:] == ["t.py"]
+
+
+def test_dry_run_prints_command_and_environment(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    proc = run(TOOLKIT + ["launch", "--config_file", CONFIGS / "multi_gpu.yaml", "--engine", "ddp", "--dry-run",
+                          script, "--lr", "0.1"])
+    assert "TOOLKIT_ENGINE=ddp" in proc.stdout and "torch.distributed.run" in proc.stdout
+    assert proc.stdout.rstrip().endswith(f"{script} --lr 0.1")
+
+
+@pytest.mark.parametrize("args, sentence", [
+    (["--config_file", "nope.yaml"], "no accelerate profile at nope.yaml"),
+    (["--config_file", "BAD", "--dry-run"], "is not valid YAML"),
+    (["--config_file", "UNKNOWN"], "accelerate rejected"),
+    (["--config_file", str(CONFIGS / "multi_gpu.yaml"), "--num_processes", "0"], "num_processes must be at least 1"),
+    (["--config_file", str(CONFIGS / "multi_node.yaml"), "--machine_rank", "2"], "machine_rank 2 is outside 0..1"),
+    (["--config_file", str(CONFIGS / "multi_gpu.yaml"), "--engine", "dp", "--num_processes", "2"], "dp engine"),
+])
+def test_launch_errors_are_one_sentence_and_exit_2(tmp_path, args, sentence):
+    (tmp_path / "BAD").write_text("distributed_type: [unclosed\n")
+    (tmp_path / "UNKNOWN").write_text("distributed_type: 'NO'\nnum_processes: 1\nfancy_key: 1\n")
+    script = tmp_path / "t.py"
+    script.write_text("")
+    args = [str(tmp_path / a) if a in ("BAD", "UNKNOWN") else a for a in args]
+    proc = run(TOOLKIT + ["launch", *args, script], check=False, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and sentence in proc.stderr, proc.stderr
