@@ -1,0 +1,436 @@
+"""Portable, atomic, verifiable checkpoints.
+
+    save_checkpoint("runs/x/ckpt", step, model=model, optimizer=opt, state={"epoch": 2}, keep=3)
+    state = load_checkpoint("runs/x/ckpt", model=model, optimizer=opt)  # resumes from latest
+
+Layout (one writer per root, normally rank 0): `root/step-00000123/` holds model.safetensors,
+optimizer.pt, scheduler.pt, scaler.pt, state.json, rng.pt and, written last, manifest.json
+(size and sha256 of each file); `root/latest` names the newest. A save is built in a hidden
+`.tmp-*` sibling and renamed into place, so a killed writer never leaves a half-written
+`step-*` folder. Loading never unpickles code: safetensors, then `weights_only=True`.
+"""
+import hashlib
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+try:
+    import numpy as np
+except ImportError:  # numpy is optional: its RNG state is then not saved
+    np = None
+
+from toolkit.errors import UserError
+
+_CHECKPOINT_NAME = re.compile(r"step-(\d+)")
+_LEFTOVER_NAME = re.compile(r"\.(?:tmp|old)-step-\d+-(\d+)")
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+_STATEFUL = ("optimizer", "scheduler", "scaler")
+_SHOWN_KEYS = 3
+
+
+def unwrap_model(model):
+    """Return the plain module inside any nesting of DataParallel, DDP and torch.compile.
+
+    >>> net = torch.nn.Linear(2, 2)
+    >>> unwrap_model(torch.nn.DataParallel(net)) is net
+    True
+    """
+    # accelerate's extract_model_from_parallel strips torch.compile only at the outermost
+    # layer, so DDP(compile(m)) would keep `_orig_mod.`; a loop handles every order.
+    # torch.compile imports dynamo, so when it is not loaded nothing can be compiled and
+    # we avoid paying seconds to import it here.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    compiled = (eval_frame.OptimizedModule,) if eval_frame else ()
+    parallel = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+    while True:
+        if isinstance(model, parallel):
+            model = model.module
+        elif compiled and isinstance(model, compiled):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def save_model(model, path):
+    """Write the unwrapped model's weights to `path` as safetensors (tied weights stored once).
+
+    >>> save_model(torch.nn.DataParallel(net), "net.safetensors")  # keys have no `module.`
+    """
+    # safetensors.save_model drops duplicate names of tied tensors, makes tensors
+    # contiguous and copies them to CPU, which plain save_file would not do.
+    safetensors.torch.save_model(unwrap_model(model), str(path), metadata={"format": "pt"})
+
+
+def load_model(model, path, strict=True):
+    """Load weights from a safetensors/torch file or a state dict into `model` (wrapped or not).
+
+    Keys carrying `module.`/`_orig_mod.` prefixes (legacy DataParallel saves) are accepted.
+    Returns (missing, unexpected) key lists; with strict=True both are empty or it raises.
+
+    >>> load_model(torch.compile(net), "net.safetensors")
+    """
+    target = unwrap_model(model)
+    expected = target.state_dict()
+    weights = _strip_wrapper_prefixes(_read_weights(path), expected)
+    missing, unexpected, reshaped = _compare_keys(expected, weights)
+    if reshaped or (strict and (missing or unexpected)):
+        source = "the given state dict" if isinstance(path, Mapping) else str(path)
+        raise UserError(_mismatch_sentence(source, missing, unexpected, reshaped))
+    target.load_state_dict(weights, strict=False)
+    return missing, unexpected
+
+
+def _read_weights(source):
+    if isinstance(source, Mapping):
+        return dict(source)
+    path = Path(source)
+    if not path.is_file():
+        raise UserError(f"Weights file {path} does not exist.")
+    if path.suffix == ".safetensors":
+        return safetensors.torch.load_file(path, device="cpu")
+    return _load_pt(path, "cpu")
+
+
+def _strip_wrapper_prefixes(weights, expected):
+    # Peel one wrapper layer at a time and stop as soon as names fit, so a model whose own
+    # submodule is called `module` keeps that part of its names.
+    while weights and not weights.keys() & expected.keys():
+        prefix = next((p for p in _WRAPPER_PREFIXES if all(k.startswith(p) for k in weights)), None)
+        if prefix is None:
+            break
+        weights = {k[len(prefix):]: v for k, v in weights.items()}
+    return weights
+
+
+def _compare_keys(expected, weights):
+    # Tied weights are saved under one name only; a key counts as present when any
+    # key sharing its storage is in the file (the same rule safetensors.load_model uses).
+    by_storage = {}
+    for key, tensor in expected.items():
+        if tensor.numel() and tensor.device.type != "meta":
+            storage = (tensor.device, tensor.untyped_storage().data_ptr())
+            by_storage.setdefault(storage, []).append(key)
+    covered = set()
+    for group in by_storage.values():
+        if any(k in weights for k in group):
+            covered.update(group)
+    missing = [k for k in expected if k not in weights and k not in covered]
+    unexpected = [k for k in weights if k not in expected]
+    reshaped = [
+        f"{k} {tuple(weights[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in weights
+        if k in expected and weights[k].shape != expected[k].shape
+    ]
+    return missing, unexpected, reshaped
+
+
+def _mismatch_sentence(source, missing, unexpected, reshaped):
+    parts = []
+    for label, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", reshaped)):
+        if keys:
+            more = f" and {len(keys) - _SHOWN_KEYS} more" if len(keys) > _SHOWN_KEYS else ""
+            parts.append(f"{label}: {', '.join(keys[:_SHOWN_KEYS])}{more}")
+    fit = f"Weights in {source} do not fit this model (a checkpoint from a different model?)"
+    return f"{fit}; {'; '.join(parts)}."
+
+
+def rng_state():
+    """Return python, numpy, torch CPU and CUDA RNG states as plain types safe for weights_only.
+
+    >>> s = rng_state(); a = torch.rand(1); set_rng_state(s); assert torch.equal(a, torch.rand(1))
+    """
+    version, internal, gauss = random.getstate()
+    state = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state()}
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        # weights_only refuses numpy arrays; int64 holds uint32 keys exactly.
+        keys = torch.from_numpy(keys.astype(np.int64))
+        state["numpy"] = [name, keys, int(pos), int(has_gauss), float(cached)]
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    """Restore RNG states captured by rng_state(); parts for absent libraries/devices are skipped.
+
+    >>> set_rng_state(rng_state())
+    """
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"].cpu())
+    if np is not None and "numpy" in state:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if torch.cuda.is_available() and "cuda" in state:
+        # A resume on fewer GPUs restores the devices that exist.
+        for device, device_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(device_state.cpu(), device)
+
+
+def save_checkpoint(root, step, *, model, optimizer=None, scheduler=None, scaler=None,
+                    state=None, keep=None):
+    """Atomically write checkpoint `root/step-{step:08d}`, point `root/latest` at it, prune to `keep`.
+
+    `state` is a JSON-able dict (epoch, position, config, ...); `step` is added to it.
+    Returns the new folder's Path.
+
+    >>> save_checkpoint("ckpt", 100, model=net, optimizer=opt, state={"epoch": 1}, keep=3)
+    PosixPath('ckpt/step-00000100')
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if keep is not None and keep < 1:
+        raise UserError(f"keep must be at least 1 checkpoint, got {keep}.")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(root)
+    final = root / f"step-{step:08d}"
+    temp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir()
+    try:
+        stateful = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
+        _write_contents(temp, model, stateful, {"step": step, **(state or {})})
+        _publish(temp, final)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    _write_pointer(root, final.name)
+    if keep is not None:
+        _prune(root, keep, final)
+    return final
+
+
+def _write_contents(folder, model, stateful, state):
+    state_json = json.dumps(state, indent=2) + "\n"  # fails before gigabytes are written
+    rng = rng_state()
+    save_model(model, folder / "model.safetensors")
+    for name, obj in stateful.items():
+        if obj is not None:
+            _save_pt(obj.state_dict(), folder / f"{name}.pt")
+    _save_pt(rng, folder / "rng.pt")
+    (folder / "state.json").write_text(state_json)
+    files = {}
+    for path in sorted(folder.iterdir()):
+        _fsync(path)
+        files[path.name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    # Written last: a folder whose manifest is missing or disagrees was torn or damaged.
+    manifest = folder / "manifest.json"
+    manifest.write_text(json.dumps({"format": 1, "files": files}, indent=2) + "\n")
+    _fsync(manifest)
+    _fsync(folder)
+
+
+def _save_pt(obj, path):
+    torch.save(obj, path)
+    # Fail now rather than at resume time if something (e.g. a scheduler holding a
+    # custom object) could not pass weights_only loading; mmap skips reading tensor data.
+    try:
+        torch.load(path, weights_only=True, mmap=True)
+    except pickle.UnpicklingError as error:
+        raise UserError(
+            f"{path.name} would hold objects other than tensors and plain containers, so it "
+            f"could not be loaded safely ({_refusal_reason(error)}); keep its state_dict plain."
+        ) from error
+
+
+def _publish(temp, final):
+    # A re-save of the same step (after a resume) moves the old folder aside first, so a
+    # complete copy exists under some name at every moment.
+    aside = None
+    if final.exists():
+        aside = final.with_name(f".old-{final.name}-{os.getpid()}")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+    os.rename(temp, final)
+    _fsync(final.parent)
+    if aside is not None:
+        shutil.rmtree(aside)
+
+
+def _write_pointer(root, name):
+    temp = root / "latest.tmp"
+    with open(temp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, root / "latest")
+    _fsync(root)
+
+
+def _prune(root, keep, newest):
+    others = [p for p in list_checkpoints(root) if p != newest]
+    for old in others[: max(0, len(others) - (keep - 1))]:
+        # Renaming first means a crash mid-delete leaves a hidden leftover, not a
+        # half-deleted `step-*` folder that readers would have to skip.
+        aside = old.with_name(f".old-{old.name}-{os.getpid()}")
+        os.rename(old, aside)
+        shutil.rmtree(aside)
+
+
+def _remove_leftovers(root):
+    for path in root.iterdir():
+        match = _LEFTOVER_NAME.fullmatch(path.name)
+        if match and path.is_dir() and not _writer_alive(int(match[1])):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _writer_alive(pid):
+    if pid == os.getpid():
+        return False  # saves in one process run one after another: ours are leftovers
+    if os.name != "posix":
+        return True  # os.kill(pid, 0) would terminate the process on Windows
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, owned by another user
+    return True
+
+
+def verify_checkpoint(path):
+    """Raise UserError naming `path` unless every file in its manifest exists with the right size and sha256.
+
+    >>> verify_checkpoint("ckpt/step-00000100")
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"Checkpoint {path} does not exist.")
+    manifest = path / "manifest.json"
+    if not manifest.is_file():
+        raise UserError(f"Checkpoint {path} is incomplete: manifest.json is missing.")
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        entries = [(name, int(meta["size"]), str(meta["sha256"])) for name, meta in files.items()]
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise UserError(f"Checkpoint {path} is corrupt: manifest.json is unreadable ({error}).")
+    for name, size, digest in entries:
+        file = path / name
+        if not file.is_file():
+            raise UserError(f"Checkpoint {path} is corrupt: {name} is missing.")
+        actual = file.stat().st_size
+        if actual != size:
+            raise UserError(f"Checkpoint {path} is corrupt: {name} has {actual} bytes, expected {size}.")
+        if _sha256(file) != digest:
+            raise UserError(f"Checkpoint {path} is corrupt: {name} fails its sha256 check.")
+
+
+def list_checkpoints(root):
+    """Return complete checkpoint folders under `root` (those with a manifest), oldest step first.
+
+    >>> [p.name for p in list_checkpoints("ckpt")]
+    ['step-00000100', 'step-00000200']
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _CHECKPOINT_NAME.fullmatch(path.name)
+        if match and (path / "manifest.json").is_file():
+            found.append((int(match[1]), path))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(root):
+    """Return the checkpoint `root/latest` names if it verifies, else the newest one that does, else None.
+
+    Each corrupt checkpoint skipped is reported in one line on stderr.
+
+    >>> latest_checkpoint("ckpt")
+    PosixPath('ckpt/step-00000200')
+    """
+    root = Path(root)
+    pointed = _read_pointer(root)
+    newest_first = [p for p in reversed(list_checkpoints(root)) if p != pointed]
+    for path in ([pointed] if pointed else []) + newest_first:
+        try:
+            verify_checkpoint(path)
+            return path
+        except UserError as error:
+            print(f"warning: skipping {path}: {error}", file=sys.stderr)
+    return None
+
+
+def _read_pointer(root):
+    try:
+        name = (root / "latest").read_text().strip()
+    except (FileNotFoundError, UnicodeDecodeError):
+        return None
+    if not _CHECKPOINT_NAME.fullmatch(name):
+        print(f"warning: ignoring {root / 'latest'}: it does not name a checkpoint", file=sys.stderr)
+        return None
+    return root / name
+
+
+def load_checkpoint(path, *, model=None, optimizer=None, scheduler=None, scaler=None,
+                    map_location="cpu", restore_rng=True):
+    """Verify and load a checkpoint folder (or the latest one under a root); return its state dict.
+
+    >>> state = load_checkpoint("ckpt", model=net, optimizer=opt)
+    >>> start_step = state["step"] + 1
+    """
+    path = _resolve_checkpoint(Path(path))
+    if model is not None:
+        load_model(model, path / "model.safetensors")
+    for name, obj in zip(_STATEFUL, (optimizer, scheduler, scaler)):
+        if obj is not None:
+            obj.load_state_dict(_load_pt(path / f"{name}.pt", map_location))
+    if restore_rng and (path / "rng.pt").is_file():
+        set_rng_state(_load_pt(path / "rng.pt", "cpu"))
+    return json.loads((path / "state.json").read_text())
+
+
+def _resolve_checkpoint(path):
+    if not path.exists():
+        raise UserError(f"Checkpoint path {path} does not exist.")
+    if (path / "manifest.json").exists() or _CHECKPOINT_NAME.fullmatch(path.name):
+        verify_checkpoint(path)
+        return path
+    latest = latest_checkpoint(path)  # already verified
+    if latest is None:
+        raise UserError(f"No complete checkpoint found in {path}.")
+    return latest
+
+
+def _load_pt(path, map_location):
+    if not path.is_file():
+        raise UserError(f"{path} does not exist; the checkpoint was saved without it.")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise UserError(
+            f"Refusing to load {path}: it holds pickled objects other than tensors and plain "
+            f"containers, which could run arbitrary code ({_refusal_reason(error)})."
+        ) from error
+
+
+def _refusal_reason(error):
+    # torch's message is a page of advice; the line naming the refused global is the news.
+    match = re.search(r"WeightsUnpickler error: (.*?)\.(?:\s|$)", str(error))
+    return match[1] if match else "unsupported pickle content"
+
+
+def _sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _fsync(path):
+    # On a folder this makes its entries (new names, renames) durable, not just file data.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

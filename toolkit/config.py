@@ -1,0 +1,53 @@
+"""Command-line flags from a hyperparameter dataclass, so a recipe declares each setting once.
+
+>>> from dataclasses import dataclass, field
+>>> @dataclass
+... class Config:
+...     lr: float = field(default=0.1, metadata={"help": "peak learning rate"})
+>>> parse_config(Config, ["--lr", "0.5"]).lr
+0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from toolkit.errors import install_excepthook
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def _flag_type(annotation):
+    """The argparse type of a field annotated `int`, `float | None`, `str`, ... (bool is a switch)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
+
+
+def build_parser(config_class, description: str | None = None) -> argparse.ArgumentParser:
+    parser = _Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    hints = typing.get_type_hints(config_class)
+    for field in dataclasses.fields(config_class):
+        flag = "--" + field.name.replace("_", "-")
+        kind = _flag_type(hints[field.name])
+        meta = dict(field.metadata)
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=meta.get("help"))
+        else:
+            parser.add_argument(flag, type=kind, default=field.default, choices=meta.get("choices"),
+                                help=meta.get("help"), metavar=meta.get("metavar"))
+    # The legacy `python -m torch.distributed.launch` appends --local-rank=N; read_launch_env reads it.
+    parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_config(config_class, argv=None, description: str | None = None):
+    """Parse flags into a frozen-by-convention instance of `config_class`."""
+    install_excepthook()  # a UserError raised while checking flags is one line, exit 2
+    namespace = vars(build_parser(config_class, description).parse_args(argv))
+    namespace.pop("local_rank", None)
+    return config_class(**namespace)

@@ -1,0 +1,115 @@
+"""Run records: per-step and per-epoch metrics (JSONL + CSV), TensorBoard when the tensorboard package is
+installed, a progress
+bar and a final summary.json, all written by the main process only (nothing duplicated per rank).
+
+Files are appended to, never truncated: a resumed run keeps what the interrupted one wrote.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+
+def git_commit(path: str | Path = ".") -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=path, capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def hardware() -> dict:
+    info = {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    found = {}
+    for package in ("torch", "torchvision", "accelerate", "datasets"):
+        try:
+            found[package] = md.version(package)
+        except md.PackageNotFoundError:
+            found[package] = None
+    found["cuda"] = torch.version.cuda
+    return found
+
+
+class RunRecorder:
+    """Metrics for one run in `output_dir`; every method is a no-op off the main process.
+
+    >>> records = RunRecorder("runs/demo", active=True)
+    >>> records.log("step", step=1, loss=2.3)
+    >>> records.close()
+    """
+
+    def __init__(self, output_dir: str | Path, active: bool):
+        self.active = active
+        self.dir = Path(output_dir)
+        self.started = time.time()
+        self._csv: dict[str, tuple] = {}
+        self._tensorboard = None
+        if not active:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.dir / "metrics.jsonl", "a")
+        if importlib.util.find_spec("tensorboard") is not None:
+            # The SummaryWriter Accelerate's TensorBoardTracker wraps: the tracker itself builds Accelerate's
+            # PartialState, which must not happen under the raw ddp engine.
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(self.dir / "tensorboard"))
+
+    def log(self, kind: str, **values):
+        """Append one row of `kind` ("step", "epoch", ...) to metrics.jsonl and KIND.csv."""
+        if not self.active:
+            return
+        row = {"kind": kind, "time": round(time.time() - self.started, 3), **values}
+        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        if kind not in self._csv:
+            path = self.dir / f"{kind}s.csv"
+            is_new = not path.exists() or path.stat().st_size == 0
+            handle = open(path, "a", newline="")
+            writer = csv.DictWriter(handle, fieldnames=list(row), extrasaction="ignore")
+            if is_new:
+                writer.writeheader()
+            self._csv[kind] = (handle, writer)
+        handle, writer = self._csv[kind]
+        writer.writerow(row)
+        handle.flush()
+        if self._tensorboard is not None and "step" in values:
+            for name, value in values.items():
+                if isinstance(value, (int, float)) and name != "step":
+                    self._tensorboard.add_scalar(f"{kind}/{name}", value, values["step"])
+
+    def summary(self, **values) -> dict:
+        """Write summary.json (values + versions, hardware, git commit, wall time) and return it."""
+        summary = {**values, "wall_time_s": round(time.time() - self.started, 3), "versions": versions(),
+                   "hardware": hardware(), "git_commit": git_commit(Path(__file__).parent)}
+        if self.active:
+            tmp = self.dir / "summary.json.tmp"
+            tmp.write_text(json.dumps(summary, indent=2, default=str))
+            os.replace(tmp, self.dir / "summary.json")
+        return summary
+
+    def close(self):
+        if not self.active:
+            return
+        self._jsonl.close()
+        for handle, _ in self._csv.values():
+            handle.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()

@@ -1,0 +1,100 @@
+"""Small pieces of a training loop that every recipe needs and no engine should own: exact evaluation,
+a learning-rate schedule, BatchNorm statistics across ranks, and resuming mid-epoch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from toolkit.data import MemoryLoader
+
+
+@torch.no_grad()
+def evaluate(model, loader, accelerator) -> dict:
+    """Accuracy and mean loss over a loader whose ranks hold DISJOINT shards of the test set (as
+    `MemoryLoader(train=False)` does): per-rank sums and one all-reduce, so every sample counts exactly
+    once whatever the world size and batch size. The model is unwrapped so that no DDP hook runs."""
+    net = accelerator.unwrap_model(model)
+    was_training = net.training
+    net.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
+    with accelerator.autocast():
+        for images, labels in loader:
+            images, labels = images.to(accelerator.device), labels.to(accelerator.device)
+            logits = net(images).float()
+            totals[0] += (logits.argmax(1) == labels).sum()
+            totals[1] += F.cross_entropy(logits, labels, reduction="sum")
+            totals[2] += len(labels)
+    correct, loss, count = accelerator.reduce(totals, "sum").tolist()
+    net.train(was_training)
+    return {"accuracy": correct / count, "loss": loss / count, "count": int(count)}
+
+
+def warmup_linear_decay(total_steps: int, warmup_fraction: float = 0.2):
+    """LR multiplier for step s: linear warm-up to 1 over the first steps, then linear decay to 0."""
+    warmup = max(1, int(total_steps * warmup_fraction))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup))
+
+    return factor
+
+
+def batchnorm_layers(model):
+    return [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+
+
+def convert_sync_batchnorm(model, accelerator):
+    """`--sync-bn`: SyncBatchNorm where PyTorch supports it (several GPU ranks). Returns (model, fallback):
+    on CPU ranks PyTorch refuses SyncBatchNorm, so fallback=True means "average the running statistics
+    with `average_batchnorm_stats` before each evaluation instead"."""
+    if accelerator.num_processes == 1 or not batchnorm_layers(model):
+        return model, False
+    if accelerator.device.type == "cuda":
+        return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model), False
+    accelerator.print("[toolkit] --sync-bn: PyTorch's SyncBatchNorm needs GPUs; averaging BatchNorm "
+                      "running statistics across ranks before each evaluation instead.")
+    return model, True
+
+
+@torch.no_grad()
+def average_batchnorm_stats(model, accelerator):
+    """Make every rank's BatchNorm running mean/var the average over ranks, so all evaluate one model."""
+    for layer in batchnorm_layers(accelerator.unwrap_model(model)):
+        if layer.running_mean is not None:
+            layer.running_mean.copy_(accelerator.reduce(layer.running_mean, "mean"))
+            layer.running_var.copy_(accelerator.reduce(layer.running_var, "mean"))
+
+
+def epoch_batches(loader, epoch: int, start_batch: int = 0):
+    """Iterate `loader` for `epoch` from global step `start_batch` (mid-epoch resume). MemoryLoader jumps
+    there directly; a DataLoader is replayed and the first batches skipped."""
+    if isinstance(loader, MemoryLoader):
+        loader.set_epoch(epoch, start_batch)
+        return iter(loader)
+    if hasattr(loader, "set_epoch"):
+        loader.set_epoch(epoch)
+    return itertools.islice(iter(loader), start_batch, None)
+
+
+def resume_position(state: dict, samples_per_step: int, accelerator) -> tuple[int, int, int]:
+    """(step, epoch, start_batch) to continue from a checkpoint's state, mapping the position within the
+    epoch through samples so that a different world size resumes at the same sample."""
+    samples = int(state["samples_in_epoch"])
+    if state.get("world_size") != accelerator.num_processes:
+        accelerator.print(f"[toolkit] resuming a {state.get('world_size')}-process checkpoint on "
+                          f"{accelerator.num_processes} process(es): epoch position mapped as {samples} samples.")
+    if samples % samples_per_step:
+        accelerator.print(f"[toolkit] {samples} samples into the epoch is not a whole number of "
+                          f"{samples_per_step}-sample steps here; resuming at the step before.")
+    return int(state["step"]), int(state["epoch"]), samples // samples_per_step
+
+
+def steps_per_epoch(batches_per_epoch: int, grad_accum: int) -> int:
+    return math.ceil(batches_per_epoch / grad_accum)
