@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from toolkit.data import (ImageData, MemoryLoader, augment_batch, build_torch_loader, load_cifar, load_data,
-                          load_hf, make_synthetic, normalize)
+                          make_synthetic, normalize)
+from toolkit.hf_data import load_hf
 from toolkit.errors import UserError
 from toolkit.models import MODELS, build_model
 
