@@ -5,7 +5,7 @@ without gradient accumulation, under the accelerate and ddp engines."""
 import pytest
 import torch
 
-from conftest import ACCELERATE, CONFIGS, PY, SCRIPTS, TORCHRUN, run
+from conftest import ACCELERATE, CONFIGS, PY, SCRIPTS, TORCHRUN, read_json, run
 from toolkit.launcher import free_port
 
 PARITY = SCRIPTS / "parity.py"
@@ -38,3 +38,7 @@ def test_two_ranks_match_one_process_with_double_batch(tmp_path, reference, engi
         for name in expected:
             diff = (expected[name] - got[name]).abs().max().item()
             assert diff <= 1e-6, f"{engine} ga={grad_accum} {name}: max |diff| {diff:.2e}"
+        # accumulate() skipped the gradient all-reduce on every non-final micro-step: one per optimizer step.
+        counts = read_json(f"{prefix}-ga{grad_accum}.json")
+        assert counts["optimizer_steps"] == 2 * 64 // (2 * B * grad_accum)
+        assert len(counts["all_reduces"]) == counts["optimizer_steps"] and all(counts["all_reduces"])

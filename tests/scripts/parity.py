@@ -1,8 +1,11 @@
 """Train a BatchNorm-free net for two epochs and save its final parameters, once per gradient-
 accumulation setting. Run as 1 process x batch 2B and as 2 ranks x batch B: the results must match."""
 import argparse
+import json
 
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 import toolkit
@@ -26,6 +29,14 @@ for grad_accum in map(int, args.grad_accum.split(",")):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    all_reduces = []  # for each gradient all-reduce DDP ran: was it an optimizer (sync) step?
+    if isinstance(model, DistributedDataParallel):
+        def counting_hook(state, bucket):
+            all_reduces.append(accelerator.sync_gradients)
+            return allreduce_hook(state, bucket)
+
+        model.register_comm_hook(None, counting_hook)
+    optimizer_steps = 0
     for epoch in range(args.epochs):
         for x, y in loader:
             with accelerator.accumulate(model):
@@ -33,8 +44,11 @@ for grad_accum in map(int, args.grad_accum.split(",")):
                 accelerator.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()
+                optimizer_steps += accelerator.sync_gradients
     if accelerator.is_main_process:
         state = {k: v.detach().cpu() for k, v in accelerator.unwrap_model(model).state_dict().items()}
         torch.save(state, f"{args.out}-ga{grad_accum}.pt")
+        with open(f"{args.out}-ga{grad_accum}.json", "w") as f:
+            json.dump({"all_reduces": all_reduces, "optimizer_steps": optimizer_steps}, f)
     accelerator.wait_for_everyone()
 accelerator.end_training()
