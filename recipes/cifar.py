@@ -138,7 +138,8 @@ def main(argv=None):
     start_batch = start_step * cfg.grad_accum
     accelerator.print(f"{cfg.model} on {data.name}: {len(data.train_x)} train / {len(data.test_x)} test images; "
                       f"engine {accelerator.name} x {accelerator.num_processes} process(es); batch "
-                      f"{cfg.batch_size} per process, {samples_per_batch * cfg.grad_accum} global; {total_steps} steps")
+                      f"{cfg.batch_size} per process, {samples_per_batch * cfg.grad_accum} global; {total_steps} steps; "
+                      f"mixed precision {accelerator.mixed_precision}")
 
     records = RunRecorder(cfg.output_dir, active=accelerator.is_main_process)
     progress = tqdm(total=total_steps, initial=step, disable=not accelerator.is_main_process, dynamic_ncols=True)

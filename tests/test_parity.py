@@ -42,3 +42,13 @@ def test_two_ranks_match_one_process_with_double_batch(tmp_path, reference, engi
         counts = read_json(f"{prefix}-ga{grad_accum}.json")
         assert counts["optimizer_steps"] == 2 * 64 // (2 * B * grad_accum)
         assert len(counts["all_reduces"]) == counts["optimizer_steps"] and all(counts["all_reduces"])
+
+
+def test_sync_bn_on_cpu_ranks_averages_running_stats(tmp_path):
+    prefix = tmp_path / "bn"
+    cmd = TORCHRUN + ["--master_port", free_port(), SCRIPTS / "syncbn.py", prefix]
+    proc = run(cmd, TOOLKIT_ENGINE="ddp")
+    assert proc.stdout.count("SyncBatchNorm needs GPUs") == 1  # said once, by the main process
+    ranks = [torch.load(f"{prefix}-rank{r}.pt") for r in (0, 1)]
+    assert not torch.equal(ranks[0]["before"], ranks[1]["before"])  # ranks diverged while training
+    assert torch.equal(ranks[0]["mean"], ranks[1]["mean"]) and torch.equal(ranks[0]["var"], ranks[1]["var"])
