@@ -19,6 +19,8 @@ def _launch_parser(sub):
     p.add_argument("--num_processes", "--num-processes", type=int, help="override the profile (all machines)")
     p.add_argument("--machine_rank", "--machine-rank", type=int, help="this machine's rank (multi-node)")
     p.add_argument("--main_process_port", "--main-process-port", type=int, help="override the profile's port")
+    p.add_argument("--max_restarts", "--max-restarts", type=int, default=0,
+                   help="restart the worker group this many times after a failure (the script resumes)")
     p.add_argument("--dry-run", "--dry_run", action="store_true", help="print the command and environment only")
     p.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args ...]")
 

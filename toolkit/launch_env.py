@@ -42,6 +42,7 @@ class LaunchEnv:
     accelerate_lost_processes: bool = False
     engine: str | None = None  # TOOLKIT_ENGINE, as `toolkit launch --engine` sets it
     mixed_precision: str | None = None  # ACCELERATE_MIXED_PRECISION, from the profile via either launcher
+    restart_count: int = 0  # TORCHELASTIC_RESTART_COUNT: >0 when torchrun/toolkit launch restarted the job
 
     @property
     def is_distributed(self) -> bool:
@@ -142,4 +143,5 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
         accelerate_lost_processes=by_accelerate and world_size == 1 and master_port is not None,
         engine=engine,
         mixed_precision=environ.get("ACCELERATE_MIXED_PRECISION") or None,
+        restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", default=0),
     )

@@ -33,6 +33,7 @@ class LaunchPlan:
     command: list[str]
     env: dict[str, str]  # only what the launch adds to the current environment
     notes: tuple[str, ...] = ()
+    restarts: int = 0  # restarts the launcher itself performs (one-process engines; torchrun does its own)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -92,7 +93,8 @@ def _rendezvous(profile: Profile) -> tuple[str, int, list[str]]:
     return host, port, notes
 
 
-def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus: int | None = None) -> LaunchPlan:
+def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus: int | None = None,
+                max_restarts: int = 0) -> LaunchPlan:
     """The command and environment that start `script_and_args` under `engine` with `profile`."""
     if engine not in ENGINES:
         raise UserError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}.")
@@ -110,7 +112,10 @@ def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus:
             notes.append("MULTI_CPU without mpirun starts one process in accelerate: routed through torchrun.")
         if profile.main_process_port is None and profile.num_machines == 1:
             command += ["--main_process_port", str(free_port())]
-        return LaunchPlan(command + list(script_and_args), env, tuple(notes))
+        multi = profile.num_processes > 1 or profile.num_machines > 1 or "--multi_gpu" in command
+        if max_restarts and multi:
+            command += ["--max_restarts", str(max_restarts)]  # accelerate hands it to torchrun
+        return LaunchPlan(command + list(script_and_args), env, tuple(notes), 0 if multi else max_restarts)
     if engine == "ddp":
         host, port, rdzv_notes = _rendezvous(profile)
         command = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(profile.processes_per_machine),
@@ -119,10 +124,12 @@ def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus:
             command += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{host}:{port}", "--rdzv_id", "toolkit"]
         else:
             command += ["--master_addr", host, "--master_port", str(port)]
+        if max_restarts:
+            command += ["--max-restarts", str(max_restarts)]
         return LaunchPlan(command + list(script_and_args), env, tuple(notes + rdzv_notes))
     if profile.num_processes > 1:
         notes.append(f"the {engine} engine runs one process; the profile's num_processes is not used.")
-    return LaunchPlan([python] + list(script_and_args), env, tuple(notes))
+    return LaunchPlan([python] + list(script_and_args), env, tuple(notes), max_restarts)
 
 
 def format_plan(plan: LaunchPlan) -> str:
@@ -130,16 +137,33 @@ def format_plan(plan: LaunchPlan) -> str:
     return f"{env} {shlex.join(plan.command)}"
 
 
+# Exit codes that a restart cannot fix: success, a user error (exit 2), Ctrl-C.
+NOT_RESTARTED = (0, 2, 130)
+
+
 def run_plan(plan: LaunchPlan) -> int:
-    """Run the plan in the foreground; Ctrl-C and SIGTERM go to the child, its exit code comes back."""
-    child = subprocess.Popen(plan.command, env={**os.environ, **plan.env})
+    """Run the plan, restarting a failed one-process run `plan.restarts` times (the child sees
+    TORCHELASTIC_RESTART_COUNT, as under torchrun, and resumes from its latest checkpoint)."""
+    for attempt in range(plan.restarts + 1):
+        code = _run_once(plan, {"TORCHELASTIC_RESTART_COUNT": str(attempt)} if plan.restarts else {})
+        if code in NOT_RESTARTED or attempt == plan.restarts:
+            return code
+        print(f"[toolkit] the run failed with exit code {code}; restart {attempt + 1} of {plan.restarts}.",
+              file=sys.stderr, flush=True)
+    return code
+
+
+def _run_once(plan: LaunchPlan, extra_env: dict) -> int:
+    """Ctrl-C and SIGTERM go to the child; its exit code comes back."""
+    child = subprocess.Popen(plan.command, env={**os.environ, **plan.env, **extra_env})
 
     def forward(signum, _frame):
         child.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return child.wait()
+        code = child.wait()
+        return 128 - code if code < 0 else code  # killed by signal N: the shell's 128 + N
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -165,7 +189,9 @@ def launch(args) -> int:
         raise UserError("no script given: toolkit launch --config_file PROFILE [options] script.py [args ...].")
     if not os.path.isfile(args.script[0]):
         raise UserError(f"no script at {args.script[0]}.")
-    plan = plan_launch(profile, engine, args.script)
+    if args.max_restarts < 0:
+        raise UserError(f"--max_restarts must be at least 0, not {args.max_restarts}.")
+    plan = plan_launch(profile, engine, args.script, max_restarts=args.max_restarts)
     for note in plan.notes:
         print(f"[toolkit] {note}", file=sys.stderr)
     if args.dry_run:
