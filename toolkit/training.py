@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import signal
 
 import torch
 import torch.nn.functional as F
@@ -98,3 +99,63 @@ def resume_position(state: dict, samples_per_step: int, accelerator) -> tuple[in
 
 def steps_per_epoch(batches_per_epoch: int, grad_accum: int) -> int:
     return math.ceil(batches_per_epoch / grad_accum)
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """True for the errors a collective raises when another rank died or stopped answering."""
+    import torch.distributed as dist
+
+    if isinstance(error, (dist.DistBackendError, dist.DistNetworkError)):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out",
+                            "Broken pipe", "NCCL communicator was aborted", "ProcessGroupGloo"))
+
+
+def peer_failure_message(error: BaseException, accelerator, step: int, timeout: float) -> str:
+    first_line = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    return (f"rank {accelerator.process_index} lost contact with the other ranks at step {step} (a peer died or did "
+            f"not answer within {timeout:g} s: {first_line[:160]}); checkpoints on disk are intact, "
+            "relaunch with --resume auto.")
+
+
+class StopRequest:
+    """Ctrl-C or SIGTERM asks the loop to stop at the next optimizer-step boundary, where the state is
+    consistent and a checkpoint can be written; a second Ctrl-C stops at once.
+
+    >>> with StopRequest() as stop:
+    ...     for batch in loader:
+    ...         train_step(batch)
+    ...         if stop.requested:
+    ...             break
+    """
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def _handle(self, signum, _frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self):
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False
+
+
+def step_status(loss, stop: StopRequest, accelerator):
+    """One small all-gather per micro-step: (every rank's loss, ranks whose loss is not finite, whether any
+    rank was asked to stop). All ranks get the same answer, so they skip or stop together."""
+    mine = torch.stack([loss.detach().float().reshape(()),
+                        torch.tensor(float(stop.requested), device=loss.device)]).unsqueeze(0)
+    everyone = accelerator.gather(mine)
+    losses = everyone[:, 0]
+    bad = [rank for rank, finite in enumerate(torch.isfinite(losses).tolist()) if not finite]
+    return losses, bad, bool(everyone[:, 1].any())

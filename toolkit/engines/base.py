@@ -224,6 +224,7 @@ class TorchEngine:
         split_batches: bool = False,
         step_scheduler_with_optimizer: bool = True,
         cpu: bool = False,
+        timeout: float | None = None,  # seconds a collective waits; only engines with peers use it
     ):
         mixed_precision = (mixed_precision or env.mixed_precision or "no").lower()
         if mixed_precision not in MIXED_PRECISION:

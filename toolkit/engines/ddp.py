@@ -21,8 +21,9 @@ DEFAULT_TIMEOUT_S = 600
 class RawDDPEngine(TorchEngine):
     name = "ddp"
 
-    def __init__(self, env, *, timeout: float = DEFAULT_TIMEOUT_S, **kwargs):
+    def __init__(self, env, *, timeout: float | None = None, **kwargs):
         super().__init__(env, **kwargs)
+        timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
         self._owns_group = False
         if not dist.is_initialized():
             self._init_group(env, timeout)
