@@ -43,6 +43,7 @@ class LaunchEnv:
     engine: str | None = None  # TOOLKIT_ENGINE, as `toolkit launch --engine` sets it
     mixed_precision: str | None = None  # ACCELERATE_MIXED_PRECISION, from the profile via either launcher
     restart_count: int = 0  # TORCHELASTIC_RESTART_COUNT: >0 when torchrun/toolkit launch restarted the job
+    agent_store: bool = False  # torchrun's agent hosts the rendezvous store: every rank connects as a client
 
     @property
     def is_distributed(self) -> bool:
@@ -144,4 +145,5 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
         engine=engine,
         mixed_precision=environ.get("ACCELERATE_MIXED_PRECISION") or None,
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", default=0),
+        agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
     )

@@ -45,20 +45,21 @@ class RawDDPEngine(TorchEngine):
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if env.world_size > 1 and (env.master_addr is None or env.master_port is None):
             raise UserError("the ddp engine needs MASTER_ADDR and MASTER_PORT; launch with torchrun or toolkit launch.")
-        init_method = f"tcp://{env.master_addr or '127.0.0.1'}:{env.master_port or 29500}"
+        wait = datetime.timedelta(seconds=timeout)
         if env.world_size == 1 and env.master_port is None:
             # A 1-process group still needs a store; a free local port keeps two such runs apart.
             from toolkit.launcher import free_port
 
-            init_method = f"tcp://127.0.0.1:{free_port()}"
-        dist.init_process_group(
-            backend,
-            init_method=init_method,
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=datetime.timedelta(seconds=timeout),
-            device_id=self.device if self.device.type == "cuda" else None,
-        )
+            host, port = "127.0.0.1", free_port()
+        else:
+            host, port = env.master_addr, env.master_port
+        store = dist.TCPStore(host, port, env.world_size, is_master=env.rank == 0 and not env.agent_store,
+                              timeout=wait, multi_tenant=True)
+        # A restarted worker group meets in the same store: a fresh key space per attempt keeps the last
+        # attempt's (dead) addresses out of this one's rendezvous.
+        store = dist.PrefixStore(f"toolkit/attempt-{env.restart_count}", store)
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=wait,
+                                device_id=self.device if self.device.type == "cuda" else None)
         self._owns_group = True
 
     process_index = property(lambda self: self._rank)

@@ -1,0 +1,121 @@
+"""A killed worker, a dead peer and a NaN never lose work or hang (real processes, bounded in time)."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import safetensors.torch
+
+from conftest import CONFIGS, PY, ROOT, TOOLKIT, clean_env, read_json, run
+from toolkit.checkpoint import latest_checkpoint, verify_checkpoint
+from toolkit.launcher import free_port
+
+CIFAR = ROOT / "recipes" / "cifar.py"
+# 2 ranks x batch 64 on the synthetic set: 39 steps per epoch, 78 in all; a checkpoint every 5 steps.
+FLAGS = ["--dataset", "synthetic", "--model", "tiny", "--epochs", 2, "--lr", 0.05, "--batch-size", 64,
+         "--checkpoint-every", 5]
+
+
+def logged_steps(out):
+    path = Path(out) / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if '"kind": "step"' in line]
+    return max(steps, default=0)
+
+
+def wait_for_step(out, step, proc, limit=180):
+    deadline = time.monotonic() + limit
+    while logged_steps(out) < step:
+        assert proc.poll() is None, "the run ended before the step to kill at"
+        assert time.monotonic() < deadline, f"step {step} not reached in {limit} s"
+        time.sleep(0.05)
+
+
+def worker(proc, rank):
+    """The training process of `rank` among the descendants of a launcher process."""
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if "cifar.py" in " ".join(child.cmdline()) and child.environ().get("RANK") == str(rank):
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no rank-{rank} worker under pid {proc.pid}")
+
+
+def final_weights(out):
+    return safetensors.torch.load_file(latest_checkpoint(Path(out) / "checkpoints") / "model.safetensors")
+
+
+def start(cmd, log):
+    return subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=clean_env(), stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_killed_worker_is_restarted_and_ends_with_the_uninterrupted_weights(tmp_path):
+    launch = TOOLKIT + ["launch", "--config_file", CONFIGS / "cpu.yaml", "--engine", "ddp"]
+    reference = tmp_path / "reference"
+    run(launch + [CIFAR, *FLAGS, "--output-dir", reference], timeout=300)
+
+    out = tmp_path / "killed"
+    proc = start(launch + ["--max_restarts", 1, CIFAR, *FLAGS, "--output-dir", out], tmp_path / "killed.log")
+    try:
+        wait_for_step(out, 23, proc)
+        worker(proc, 1).kill()  # kill -9 one worker mid-epoch, between checkpoints
+        assert proc.wait(timeout=300) == 0, (tmp_path / "killed.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = (tmp_path / "killed.log").read_text()
+    assert "[toolkit] restart 1: resuming from the latest checkpoint" in log
+    assert "resumed from" in log and read_json(out / "summary.json")["steps"] == 78
+    expected, got = final_weights(reference), final_weights(out)
+    assert all((expected[k] == got[k]).all() for k in expected)  # bit-identical to the uninterrupted run
+
+
+def test_survivor_of_a_dead_peer_exits_within_the_timeout_with_one_line(tmp_path):
+    port, out, timeout = free_port(), tmp_path / "run", 20
+    nodes = []
+    for node in (0, 1):  # two torchrun agents, as on two hosts: node 1's agent cannot take node 0's worker down
+        cmd = [PY, "-m", "torch.distributed.run", "--nnodes", 2, "--node_rank", node, "--nproc_per_node", 1,
+               "--master_addr", "127.0.0.1", "--master_port", port, CIFAR, *FLAGS, "--engine", "ddp",
+               "--timeout", timeout, "--output-dir", out]
+        nodes.append(start(cmd, tmp_path / f"node{node}.log"))
+    try:
+        wait_for_step(out, 10, nodes[0])
+        worker(nodes[1], 1).kill()
+        killed = time.monotonic()
+        code = nodes[0].wait(timeout=timeout + 60)
+        detected = time.monotonic() - killed
+        nodes[1].wait(timeout=60)
+    finally:
+        for proc in nodes:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    log = (tmp_path / "node0.log").read_text()
+    print(f"dead peer detected and reported in {detected:.1f} s")
+    assert code != 0 and detected < timeout + 15, log[-3000:]
+    lines = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert lines and "rank 0 lost contact with the other ranks at step" in lines[0], log[-3000:]
+    verify_checkpoint(latest_checkpoint(out / "checkpoints"))  # what was written is intact
+
+
+def test_nan_at_step_k_stops_cleanly_or_is_skipped(tmp_path):
+    out = tmp_path / "nan"
+    flags = ["--dataset", "synthetic", "--model", "tiny", "--epochs", 1, "--checkpoint-every", 2, "--debug-nan-step", 7]
+    proc = run([PY, CIFAR, *flags, "--output-dir", out], check=False, timeout=180)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 1 and errors, proc.stderr[-2000:]
+    assert "the loss is not finite at step 7 on rank(s) [0]" in errors[0]
+    assert latest_checkpoint(out / "checkpoints").name == "step-00000006"  # nothing after the NaN was saved
+    verify_checkpoint(latest_checkpoint(out / "checkpoints"))
+
+    skipped = tmp_path / "skip"
+    run([PY, CIFAR, *flags, "--skip-nonfinite", "--output-dir", skipped], timeout=180)
+    rows = [json.loads(line) for line in (skipped / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("skipped_ranks")] == [7]
+    assert read_json(skipped / "summary.json")["test_accuracy"] > 0.3  # the run went on and learned
