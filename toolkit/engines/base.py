@@ -319,7 +319,7 @@ class TorchEngine:
         return model
 
     def unwrap_model(self, model):
-        from toolkit.checkpoint import unwrap_model
+        from toolkit.weights import unwrap_model
 
         return unwrap_model(model)
 
