@@ -264,6 +264,7 @@ def test_cifar10_folder_with_odd_test_set_counts_every_image_once_on_two_ranks(t
 
 
 def test_parquet_dataset_trains_in_one_process(tmp_path):
+    """Also the other data path: DataLoader + torchvision transforms (--loader torch), channels-last."""
     import datasets
     from PIL import Image
 
@@ -278,10 +279,10 @@ def test_parquet_dataset_trains_in_one_process(tmp_path):
             str(folder / f"{split}.parquet"))
     out = tmp_path / "out"
     run([PY, CIFAR, "--dataset", f"hf:{folder}", "--data-dir", tmp_path / "data", "--model", "tiny", "--epochs", 3,
-         "--batch-size", 32, "--lr", 0.05, "--output-dir", out], timeout=240)
+         "--batch-size", 32, "--lr", 0.05, "--loader", "torch", "--channels-last", "--output-dir", out], timeout=240)
     summary = read_json(out / "summary.json")
     assert summary["test_count"] == 101 and summary["steps"] == 3 * (1200 // 32)
-    print(f"parquet: test accuracy {summary['test_accuracy']}")  # measured 0.81 (0.69-0.91 over data seeds 0-5)
+    print(f"parquet: test accuracy {summary['test_accuracy']}")  # measured 0.78 with --loader torch (memory: 0.81)
     assert summary["test_accuracy"] >= LEARNED, summary["test_accuracy"]
 
 
