@@ -124,3 +124,19 @@ def test_nan_at_step_k_stops_cleanly_or_is_skipped(tmp_path):
     rows = [json.loads(line) for line in (skipped / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r.get("skipped_ranks")] == [7]
     assert read_json(skipped / "summary.json")["test_accuracy"] > 0.3  # the run went on and learned
+
+
+def test_one_process_run_is_restarted_by_the_launcher(tmp_path):
+    """torchrun restarts multi-process groups; a one-process engine is restarted by toolkit launch itself."""
+    script = tmp_path / "flaky.py"
+    script.write_text("import os, sys\n"
+                      "attempt = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', '0'))\n"
+                      "print(f'attempt {attempt}', flush=True)\n"
+                      "sys.exit(0 if attempt == 1 else 7)\n")
+    proc = run(TOOLKIT + ["launch", "--config_file", CONFIGS / "single_gpu.yaml", "--engine", "single",
+                          "--max_restarts", 2, script])
+    assert proc.stdout.split() == ["attempt", "0", "attempt", "1"]
+    assert "the run failed with exit code 7; restart 1 of 2." in proc.stderr
+    failing = run(TOOLKIT + ["launch", "--config_file", CONFIGS / "single_gpu.yaml", "--engine", "single",
+                             "--max_restarts", 0, script], check=False)
+    assert failing.returncode == 7  # no restarts asked for: the failure is the launcher's exit code
