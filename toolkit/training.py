@@ -5,7 +5,6 @@ a learning-rate schedule, BatchNorm statistics across ranks, and resuming mid-ep
 from __future__ import annotations
 
 import itertools
-import math
 import signal
 
 import torch
@@ -95,10 +94,6 @@ def resume_position(state: dict, samples_per_step: int, accelerator) -> tuple[in
         accelerator.print(f"[toolkit] {samples} samples into the epoch is not a whole number of "
                           f"{samples_per_step}-sample steps here; resuming at the step before.")
     return int(state["step"]), int(state["epoch"]), samples // samples_per_step
-
-
-def steps_per_epoch(batches_per_epoch: int, grad_accum: int) -> int:
-    return math.ceil(batches_per_epoch / grad_accum)
 
 
 def is_peer_failure(error: BaseException) -> bool:
