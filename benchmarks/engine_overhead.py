@@ -1,0 +1,174 @@
+"""Engine overhead: images/s of each engine's training step divided by a hand-written PyTorch loop.
+
+    python benchmarks/engine_overhead.py                  # tiny and resnet9, about 3 minutes on 2 CPU cores
+    python benchmarks/engine_overhead.py --quick          # tiny only, about 10 s
+    python benchmarks/engine_overhead.py --models resnet18 --batch-size 256   # on a GPU machine
+
+All four engines (single, dp, accelerate, ddp) are built in this one process, each with its own copy of
+the same model, next to the reference loop (`model(x)`, `cross_entropy`, `backward`, `step`,
+`zero_grad`). Each engine runs the loop the recipes run (`accumulate`, `backward`, prepared optimizer).
+Every round times a block of steps on every side over the same batches, already on the device, so the
+ratio is the engines' own cost and not data loading. Target: >= 0.98 for every engine; a full run
+exits 1 when one misses, --quick never does.
+
+The ddp engine forms a one-process gloo group here: DDP's reducer and all-reduce run, with no peer.
+`torch DDP (no toolkit)` is DistributedDataParallel wrapped by hand in that group, so ddp divided by it
+is the toolkit's share and it divided by the plain loop is DDP's own.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import statistics
+
+import common
+import torch
+import torch.nn.functional as F
+
+import toolkit
+from toolkit.errors import UserError
+from toolkit.models import MODELS, build_model
+
+TARGET = 0.98  # engine images/s over the plain loop's
+ENGINES = ("single", "dp", "accelerate", "ddp")  # accelerate before ddp: it starts where no group exists yet
+BATCH = {"tiny": 128, "resnet9": 32, "resnet18": 32}  # per step, CPU-sized; --batch-size for a GPU
+REFERENCE, RAW_DDP = "plain loop", "torch DDP (no toolkit)"
+
+
+def parse_args(argv=None):
+    parser = common.build_parser("engine_overhead", __doc__)
+    parser.add_argument("--models", default=None, help="comma-separated, from " + ", ".join(MODELS) +
+                        " (default: tiny,resnet9; --quick: tiny)")
+    parser.add_argument("--batch-size", type=int, default=None, help="images per step (default: per model, "
+                        + ", ".join(f"{k} {v}" for k, v in BATCH.items()) + ")")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: the overhead is "
+                        "per-step Python work, and one thread keeps timings steady on a busy machine)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 12; --quick 3)")
+    parser.add_argument("--block-s", type=float, default=None, help="seconds per side per round (default 0.6; --quick 0.1)")
+    args = parser.parse_args(argv)
+    args.models = (args.models or ("tiny" if args.quick else "tiny,resnet9")).split(",")
+    args.rounds = args.rounds or (3 if args.quick else 12)
+    args.block_s = args.block_s or (0.1 if args.quick else 0.6)
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown or (args.batch_size is not None and args.batch_size < 1) or min(args.rounds, args.threads) < 1 or args.block_s <= 0:
+        raise UserError(f"--models takes names from {', '.join(MODELS)} (got {','.join(args.models)}); "
+                        "--batch-size, --threads, --rounds and --block-s must be positive.")
+    return args
+
+
+def build_engines() -> dict:
+    if toolkit.read_launch_env().world_size > 1:
+        raise UserError("this benchmark builds every engine in one process; run it with plain `python`, "
+                        "not under a launcher.")
+    return {name: toolkit.build_accelerator(name) for name in ENGINES}
+
+
+def batches_on(device, batch: int, count: int = 4):
+    """`count` fixed batches of normalised-looking images and labels, already on `device`."""
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(batch, 3, 32, 32, generator=g).to(device), torch.randint(0, 10, (batch,), generator=g).to(device))
+            for _ in range(count)]
+
+
+def new_optimizer(model):
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
+
+
+def plain_step(model, batches):
+    """The reference: the training step written by hand in plain PyTorch."""
+    optimizer, data = new_optimizer(model), itertools.cycle(batches)
+
+    def step():
+        x, y = next(data)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def engine_step(accelerator, model, batches):
+    """The same step as the recipes write it against the Accelerator API."""
+    model, optimizer = accelerator.prepare(model, new_optimizer(model))
+    data = itertools.cycle(batches)
+
+    def step():
+        x, y = next(data)
+        with accelerator.accumulate(model):
+            loss = F.cross_entropy(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def repeat(step, times: int):
+    def block():
+        for _ in range(times):
+            step()
+
+    return block
+
+
+def measure_model(name: str, args, engines: dict):
+    """Time every side on one model; return table rows and ratios."""
+    device = engines["single"].device
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    batch = args.batch_size or BATCH[name]
+    torch.manual_seed(0)
+    base, batches = build_model(name, 10).to(device), batches_on(device, batch)
+    steps = {REFERENCE: plain_step(copy.deepcopy(base), batches)}
+    steps.update({engine: engine_step(acc, copy.deepcopy(base), batches) for engine, acc in engines.items()})
+    steps[RAW_DDP] = plain_step(torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base)), batches)
+    for step in steps.values():  # warm-up: first-call allocations, DDP's bucket rebuild
+        step()
+        step()
+    n = common.calls_for(steps[REFERENCE], args.block_s, sync)
+    times = common.time_interleaved({side: repeat(step, n) for side, step in steps.items()}, args.rounds, sync)
+    print(f"{name}: batch {batch}, {n} steps per side per round, {args.rounds} rounds on {device}")
+    rows, ratios = [], []
+    for side in steps:
+        ratio = common.Ratio(f"{name} {side} / {REFERENCE}", common.paired_ratio(times, side, over=REFERENCE),
+                             TARGET if side in engines else None)
+        extra_ms = statistics.median(s - r for s, r in zip(times[side], times[REFERENCE])) / n * 1000
+        if side != REFERENCE:
+            ratios.append(ratio)
+        rows.append([name, side, batch, common.per_second(batch * n, times[side]), f"{ratio.value:.3f}",
+                     f"{extra_ms:+.2f}", f">= {ratio.target:g}" if ratio.target else "", ratio.verdict])
+    return rows, ratios
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = common.prepare_out(args.out)
+    torch.set_num_threads(args.threads)
+    engines = build_engines()
+    rows, ratios = [], []
+    try:
+        for name in args.models:
+            model_rows, model_ratios = measure_model(name, args, engines)
+            rows, ratios = rows + model_rows, ratios + model_ratios
+    finally:
+        for accelerator in engines.values():
+            accelerator.end_training()
+    notes = [
+        f"torch uses {torch.get_num_threads()} intra-op threads (--threads); all sides run in this one process.",
+        (f"ddp is a one-process gloo group (its all-reduce runs, with no peer); '{RAW_DDP}' is the same DDP "
+         "without the toolkit, so ddp / it is the toolkit's share and it / plain loop is DDP's own."),
+        ("extra ms/step: the median per-round difference to the plain loop, a fixed cost per step that weighs "
+         "most on the smallest model."),
+    ]
+    columns = ["model", "side", "batch", "images/s (median)", "ratio to plain loop", "extra ms/step", "target",
+               "result"]
+    bars = common.Bars([f"{r[0]} {r[1]}" for r in rows], [r[3] for r in rows], "images/s (median over rounds)",
+                       [f"{r[4]}x {r[7]}".strip() for r in rows])
+    common.publish(out, "engine_overhead", "Engine overhead: images/s relative to a plain PyTorch loop",
+                   (columns, rows), ratios, notes, bars)
+    return common.exit_code(ratios, args.quick)
+
+
+if __name__ == "__main__":
+    common.run_main(main)

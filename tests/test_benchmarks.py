@@ -1,0 +1,51 @@
+"""Benchmarks: every script runs its --quick mode end to end and leaves results.md, a PNG and ratio lines.
+
+These measure, they do not assert speed: a ratio only has to be a positive number.
+"""
+
+import re
+
+import pytest
+import torch
+from conftest import PY, ROOT, run
+
+pytest.importorskip("matplotlib")  # the scripts draw their plot with it
+
+BENCHMARKS = ROOT / "benchmarks"
+RATIO = re.compile(r"^ratio (.+?): (\d+\.\d+)", re.MULTILINE)
+
+
+@pytest.mark.parametrize("script, plot, expected", [
+    ("engine_overhead.py", "engine_overhead.png",
+     {f"tiny {e} / plain loop" for e in ("single", "dp", "accelerate", "ddp", "torch DDP (no toolkit)")}),
+    ("ddp_comm.py", "ddp_comm.png", {"ddp / independent", "ddp no_sync / independent"}),
+    ("data_loading.py", "data_loading.png", {"memory / torch + PIL", "memory / torch + v2"}),
+    ("model_throughput.py", "model_throughput.png",
+     {f"tiny + {c} / fp32" for c in ("bf16", "channels_last", "compile")}),
+])
+def test_quick_run_writes_table_plot_and_ratios(tmp_path, script, plot, expected):
+    extra = ["--device", "cpu"] if script == "model_throughput.py" else []
+    proc = run([PY, BENCHMARKS / script, "--quick", "--out", tmp_path / "out", *extra], timeout=120)
+    ratios = {name: float(value) for name, value in RATIO.findall(proc.stdout)}
+    assert set(ratios) == expected, proc.stdout
+    assert all(value > 0 for value in ratios.values())
+    results = (tmp_path / "out" / "results.md").read_text()
+    assert all(f"ratio {name}:" in results for name in expected)
+    assert f"Command: `python benchmarks/{script} --quick" in results
+    png = (tmp_path / "out" / plot).read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 5000
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_mode_without_cuda_is_one_line_and_exit_2(tmp_path):
+    proc = run([PY, BENCHMARKS / "model_throughput.py", "--device", "cuda", "--out", tmp_path / "out"], check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: --device cuda needs a CUDA GPU and torch sees none; use --device cpu "
+                                   "--quick to exercise this script without one.")
+    assert not (tmp_path / "out").exists()  # refused before measuring or writing anything
+
+
+def test_bad_flag_values_are_one_line_and_exit_2(tmp_path):
+    proc = run([PY, BENCHMARKS / "engine_overhead.py", "--models", "vgg", "--out", tmp_path / "out"], check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith("error: --models takes names from resnet18, resnet9, tiny (got vgg)")
