@@ -1,6 +1,8 @@
 """The `toolkit` command.
 
     toolkit launch --config_file accelerate_configs/multi_gpu.yaml [--engine ddp] script.py [args ...]
+    toolkit parity A.yaml B.yaml [--engine-a E] [--engine-b E] [--steps K] -- script.py [args ...]
+    toolkit env [--config_file accelerate_configs/cpu.yaml] [--json]
 """
 
 from __future__ import annotations
@@ -21,8 +23,57 @@ def _launch_parser(sub):
     p.add_argument("--main_process_port", "--main-process-port", type=int, help="override the profile's port")
     p.add_argument("--max_restarts", "--max-restarts", type=int, default=0,
                    help="restart the worker group this many times after a failure (the script resumes)")
+    p.add_argument("--rdzv_timeout", "--rdzv-timeout", type=float, default=300.0,
+                   help="seconds the machines of a multi-node job wait for each other before giving up")
     p.add_argument("--dry-run", "--dry_run", action="store_true", help="print the command and environment only")
     p.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args ...]")
+
+
+class _OptionsThenScript(argparse.Action):
+    """The script and its arguments (argparse.REMAINDER), after this command's own options and `--`:
+    `toolkit parity A.yaml B.yaml --steps 3 -- script.py --steps 9` gives the script its own --steps."""
+
+    def __init__(self, *args, options: argparse.ArgumentParser, **kwargs):
+        super().__init__(*args, nargs=argparse.REMAINDER, **kwargs)
+        self.options = options
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if "--" in values:
+            cut = values.index("--")
+            self.options.parse_args(values[:cut], namespace)
+            values = values[cut + 1:]
+        elif values and values[0].startswith("-"):
+            parser.error(f"put `--` between the options of `{parser.prog}` and the script")
+        setattr(namespace, self.dest, values)
+
+
+def _parity_parser(sub):
+    from toolkit.parity import DEFAULT_STEPS, DEFAULT_TOLERANCE
+
+    options = _Parser(add_help=False, prog="toolkit parity")
+    for side in "ab":
+        options.add_argument(f"--engine-{side}", f"--engine_{side}", choices=sorted(ENGINES), default="accelerate",
+                             help=f"engine of run {side.upper()} (default: accelerate)")
+        options.add_argument(f"--num-processes-{side}", f"--num_processes_{side}", type=int, metavar="N",
+                             help=f"override the processes of {side.upper()}.yaml (all machines)")
+        options.add_argument(f"--args-{side}", f"--args_{side}", default="", metavar="ARGS",
+                             help=f"script arguments for run {side.upper()} only, e.g. --args-{side}=\"--batch-size 8\"")
+    options.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps to compare")
+    options.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+                         help="agreement: |A-B| <= tolerance x (1 + |A|) on every loss and weight")
+    options.add_argument("--output-dir", "--output_dir", help="keep each run's record, weights and log here")
+    p = sub.add_parser("parity", parents=[options], help="run a script under two setups for K steps and compare "
+                       "losses and weights (exit 0 agree, 3 expected difference, 1 unexplained difference)")
+    p.add_argument("config_a", metavar="A.yaml", help="accelerate profile of run A")
+    p.add_argument("config_b", metavar="B.yaml", help="accelerate profile of run B")
+    p.add_argument("script", action=_OptionsThenScript, options=options, help="-- script.py [args ...]")
+
+
+def _env_parser(sub):
+    p = sub.add_parser("env", help="show versions, devices, the engine and topology a profile implies, and "
+                       "every mismatch visible before launching (exit 1 when one would stop the launch)")
+    p.add_argument("--config_file", "--config-file", help="accelerate YAML profile (default: accelerate's own)")
+    p.add_argument("--json", action="store_true", help="machine-readable output with stable keys")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -34,12 +85,22 @@ def main(argv=None) -> int:
     parser = _Parser(prog="toolkit", description=__doc__.strip().splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _launch_parser(sub)
+    _parity_parser(sub)
+    _env_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "launch":
             from toolkit.launcher import launch
 
             return launch(args)
+        if args.command == "parity":
+            from toolkit.parity import run_parity
+
+            return run_parity(args)
+        if args.command == "env":
+            from toolkit.envinfo import run_env
+
+            return run_env(args)
     except UserError as error:
         return report(error)
     except KeyboardInterrupt:

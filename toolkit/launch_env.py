@@ -44,6 +44,10 @@ class LaunchEnv:
     mixed_precision: str | None = None  # ACCELERATE_MIXED_PRECISION, from the profile via either launcher
     restart_count: int = 0  # TORCHELASTIC_RESTART_COUNT: >0 when torchrun/toolkit launch restarted the job
     agent_store: bool = False  # torchrun's agent hosts the rendezvous store: every rank connects as a client
+    num_nodes: int = 1  # machines in the job: torchrun's GROUP_WORLD_SIZE, SLURM's node count
+    job_id: str | None = None  # SLURM_JOB_ID: the same on every node of one allocation
+    allocated_nodes: int = 1  # SLURM_JOB_NUM_NODES: nodes in the allocation, inside a step or not
+    gloo_socket_ifname: str | None = None  # GLOO_SOCKET_IFNAME: the interface gloo binds to
 
     @property
     def is_distributed(self) -> bool:
@@ -110,6 +114,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
         local_world = _int(environ, "LOCAL_WORLD_SIZE", default=world_size)
         node_rank = _int(environ, "GROUP_RANK", "NODE_RANK", default=0)
         rank = _int(environ, "RANK")
+        num_nodes = _int(environ, "GROUP_WORLD_SIZE", default=1)
     elif "OMPI_COMM_WORLD_SIZE" in environ or "PMI_SIZE" in environ:
         launcher = "mpi"
         rank = _int(environ, "OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -117,6 +122,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
         local_rank = _int(environ, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", default=0)
         local_world = _int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", default=world_size)
         node_rank = _int(environ, "OMPI_COMM_WORLD_NODE_RANK", default=0)
+        num_nodes = max(1, world_size // max(1, local_world))
     elif "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ:  # inside `srun`, one task per rank
         launcher = "slurm"
         rank = _int(environ, "SLURM_PROCID")
@@ -124,11 +130,12 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
         local_rank = _int(environ, "SLURM_LOCALID", default=0)
         local_world = _int(environ, "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", default=world_size)
         node_rank = _int(environ, "SLURM_NODEID", default=0)
+        num_nodes = _int(environ, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", default=1)
         if master_addr is None and environ.get("SLURM_STEP_NODELIST", environ.get("SLURM_NODELIST")):
             master_addr = first_slurm_host(environ.get("SLURM_STEP_NODELIST") or environ["SLURM_NODELIST"])
     else:
         launcher = "accelerate" if by_accelerate else "python"
-        rank, world_size, local_world, node_rank = 0, 1, 1, 0
+        rank, world_size, local_world, node_rank, num_nodes = 0, 1, 1, 0, 1
         local_rank = legacy_local_rank or 0
 
     return LaunchEnv(
@@ -146,4 +153,8 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
         mixed_precision=environ.get("ACCELERATE_MIXED_PRECISION") or None,
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", default=0),
         agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+        num_nodes=num_nodes,
+        job_id=environ.get("SLURM_JOB_ID") or None,
+        allocated_nodes=_int(environ, "SLURM_JOB_NUM_NODES", "SLURM_NNODES", default=1),
+        gloo_socket_ifname=environ.get("GLOO_SOCKET_IFNAME") or None,
     )

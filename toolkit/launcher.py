@@ -23,8 +23,10 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from toolkit import rendezvous
 from toolkit.engines import ENGINES
 from toolkit.errors import UserError
+from toolkit.launch_env import LaunchEnv, read_launch_env
 from toolkit.profiles import Profile, check_profile, load_profile
 
 
@@ -93,14 +95,43 @@ def _rendezvous(profile: Profile) -> tuple[str, int, list[str]]:
     return host, port, notes
 
 
+def _multi_node(profile: Profile, engine: str, environ) -> tuple[dict, list[str], list[str]]:
+    """Environment, extra torchrun arguments and notes for one machine of a multi-node job."""
+    if engine not in ("accelerate", "ddp"):
+        raise UserError(f"the {engine} engine runs on one machine; use --engine ddp or accelerate for "
+                        f"num_machines {profile.num_machines}.")
+    address = rendezvous.resolve_host(profile.main_process_ip)
+    if profile.machine_rank == 0 and address not in rendezvous.local_addresses():
+        raise UserError(f"machine_rank 0 hosts the rendezvous but main_process_ip {profile.main_process_ip} is not "
+                        "an address of this host; run machine 0 there or fix main_process_ip.")
+    env, args, notes = {}, [], []
+    local_ip, name = rendezvous.route_to(address)
+    if name and not environ.get("GLOO_SOCKET_IFNAME"):
+        env["GLOO_SOCKET_IFNAME"] = name
+        notes.append(f"gloo uses interface {name}, the route to {address} (set GLOO_SOCKET_IFNAME to override).")
+    if profile.rdzv_backend == "c10d":
+        # torchrun guesses from this host's name whether it hosts the rendezvous store and what address the
+        # other nodes reach it at; a name that resolves to 127.0.0.1 breaks both, so say it outright.
+        args = ["--rdzv_conf", f"is_host={int(profile.machine_rank == 0)}"]
+        if engine == "ddp" and local_ip:
+            args += ["--local_addr", local_ip]
+    return env, args, notes
+
+
 def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus: int | None = None,
-                max_restarts: int = 0) -> LaunchPlan:
+                max_restarts: int = 0, environ=None) -> LaunchPlan:
     """The command and environment that start `script_and_args` under `engine` with `profile`."""
     if engine not in ENGINES:
         raise UserError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}.")
+    environ = os.environ if environ is None else environ
     gpus = visible_gpus() if gpus is None else gpus
     notes = check_devices(profile, gpus) if engine in ("accelerate", "ddp") else []
     env = {"TOOLKIT_ENGINE": engine, "ACCELERATE_MIXED_PRECISION": profile.mixed_precision}
+    node_args = []
+    if profile.num_machines > 1:
+        node_env, node_args, node_notes = _multi_node(profile, engine, environ)
+        env.update(node_env)
+        notes += node_notes
     if profile.gpu_ids not in (None, "all"):
         env["CUDA_VISIBLE_DEVICES"] = profile.gpu_ids
     python = sys.executable
@@ -115,15 +146,17 @@ def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus:
         multi = profile.num_processes > 1 or profile.num_machines > 1 or "--multi_gpu" in command
         if max_restarts and multi:
             command += ["--max_restarts", str(max_restarts)]  # accelerate hands it to torchrun
+        command += node_args
         return LaunchPlan(command + list(script_and_args), env, tuple(notes), 0 if multi else max_restarts)
     if engine == "ddp":
         host, port, rdzv_notes = _rendezvous(profile)
         command = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(profile.processes_per_machine),
-                   "--nnodes", str(profile.num_machines), "--node_rank", str(profile.machine_rank)]
-        if profile.rdzv_backend == "c10d":
+                   "--nnodes", str(profile.num_machines)]
+        if profile.rdzv_backend == "c10d":  # c10d numbers the nodes itself
             command += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{host}:{port}", "--rdzv_id", "toolkit"]
         else:
-            command += ["--master_addr", host, "--master_port", str(port)]
+            command += ["--node_rank", str(profile.machine_rank), "--master_addr", host, "--master_port", str(port)]
+        command += node_args
         if max_restarts:
             command += ["--max-restarts", str(max_restarts)]
         return LaunchPlan(command + list(script_and_args), env, tuple(notes + rdzv_notes))
@@ -169,16 +202,32 @@ def _run_once(plan: LaunchPlan, extra_env: dict) -> int:
             signal.signal(sig, handler)
 
 
+def slurm_overrides(profile: Profile, env: LaunchEnv) -> tuple[dict, list[str]]:
+    """Inside `srun`, SLURM decides the topology: one launcher per node, the first node is the main one."""
+    if env.launcher != "slurm":
+        if env.job_id and env.allocated_nodes > 1:
+            raise UserError(f"SLURM job {env.job_id} has {env.allocated_nodes} nodes but toolkit launch runs outside "
+                            "srun, so only this node would train; run `srun --ntasks-per-node=1 toolkit launch ...`.")
+        return {}, []
+    if env.local_world_size > 1:
+        raise UserError(f"srun started {env.local_world_size} tasks on this node; toolkit launch starts the processes "
+                        "itself: use `srun --ntasks-per-node=1 toolkit launch ...`.")
+    port = profile.main_process_port or 20000 + int(env.job_id or 0) % 20000  # the same on every node of a job
+    overrides = {"num_machines": env.num_nodes, "machine_rank": env.node_rank, "main_process_port": port,
+                 "num_processes": profile.processes_per_machine * env.num_nodes,
+                 "main_process_ip": env.master_addr if env.num_nodes > 1 else profile.main_process_ip}
+    note = (f"SLURM job {env.job_id}: node {env.node_rank} of {env.num_nodes}, "
+            f"{profile.processes_per_machine} process(es) per node, main node {overrides['main_process_ip']}:{port}.")
+    return overrides, [note]
+
+
 def launch(args) -> int:
     """Entry point of `toolkit launch` (args from `toolkit.cli`)."""
     profile = load_profile(args.config_file)
-    overrides = {}
-    if args.num_processes is not None:
-        overrides["num_processes"] = args.num_processes
-    if args.machine_rank is not None:
-        overrides["machine_rank"] = args.machine_rank
-    if args.main_process_port is not None:
-        overrides["main_process_port"] = args.main_process_port
+    overrides, notes = slurm_overrides(profile, read_launch_env())
+    for flag in ("num_processes", "machine_rank", "main_process_port"):
+        if getattr(args, flag) is not None:
+            overrides[flag] = getattr(args, flag)
     if overrides:
         profile = dataclasses.replace(profile, **overrides)
         check_profile(profile)
@@ -191,10 +240,29 @@ def launch(args) -> int:
         raise UserError(f"no script at {args.script[0]}.")
     if args.max_restarts < 0:
         raise UserError(f"--max_restarts must be at least 0, not {args.max_restarts}.")
+    if args.rdzv_timeout <= 0:
+        raise UserError(f"--rdzv_timeout must be positive, not {args.rdzv_timeout:g}.")
     plan = plan_launch(profile, engine, args.script, max_restarts=args.max_restarts)
-    for note in plan.notes:
+    for note in notes + list(plan.notes):
         print(f"[toolkit] {note}", file=sys.stderr)
     if args.dry_run:
         print(format_plan(plan))
         return 0
+    if profile.num_machines > 1:
+        meet_other_machines(profile, engine, args.script, args.rdzv_timeout)
     return run_plan(plan)
+
+
+def meet_other_machines(profile: Profile, engine: str, script_and_args: list[str], timeout: float):
+    """The launchers of all machines agree on what they start before torchrun joins them (see rendezvous)."""
+    import torch
+
+    view = rendezvous.NodeView(
+        machine_rank=profile.machine_rank, host=socket.gethostname(), num_machines=profile.num_machines,
+        num_processes=profile.num_processes, rdzv_backend=profile.rdzv_backend, engine=engine,
+        mixed_precision=profile.mixed_precision, torch=torch.__version__.split("+")[0],
+        command=shlex.join(script_and_args))
+    address, port = rendezvous.resolve_host(profile.main_process_ip), profile.main_process_port or 29500
+    print(f"[toolkit] machine {profile.machine_rank} of {profile.num_machines}: meeting the others at "
+          f"{address}:{port} (timeout {timeout:g} s)", file=sys.stderr, flush=True)
+    rendezvous.handshake(view, address, port, timeout)

@@ -56,6 +56,12 @@ def build_accelerator(engine: str = "auto", **kwargs):
             "accelerate launch was asked for several processes but started only this one (a MULTI_CPU profile "
             "needs mpirun); use `toolkit launch` or a profile with distributed_type MULTI_GPU."
         )
+    if env.num_nodes > 1 and not env.gloo_socket_ifname:
+        # gloo would bind to whatever this host's name resolves to (often 127.0.0.1) and hand that to the
+        # other machines; the interface that routes to the main node is the one they can reach.
+        from toolkit.rendezvous import pin_gloo_interface
+
+        pin_gloo_interface(env.master_addr)
     name = resolve_engine(engine, env)
     module_name, class_name = ENGINES[name].split(":")
     engine_class = getattr(importlib.import_module(module_name), class_name)

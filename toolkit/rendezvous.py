@@ -1,0 +1,174 @@
+"""Multi-node rendezvous that explains itself.
+
+torchrun's own rendezvous fails late and quietly across machines: a node that cannot reach the main
+node waits 15 minutes before it says so, and nodes launched with different profiles (num_machines,
+mixed precision, script arguments) either hang or train on silently different terms. So, before it hands
+a multi-node job to torchrun, `toolkit launch` runs a short handshake of its own on the same address and
+port: every machine's launcher connects to machine 0's, states what it is about to launch, and machine 0
+answers "agreed" or the one sentence that says who differs and how. Only then does torchrun start.
+
+Gloo has a second trap: it binds to the address this host's name resolves to, which is often 127.0.0.1,
+and then tells the other nodes to connect there. `pin_gloo_interface` picks the interface that routes to
+the main node instead, unless GLOO_SOCKET_IFNAME already names one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import json
+import os
+import socket
+import struct
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+from toolkit.errors import UserError
+
+PREFIX = "toolkit/handshake/"
+_SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of an interface
+
+
+def resolve_host(host: str) -> str:
+    """The IPv4 address of `host` (a name or an address)."""
+    try:
+        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except socket.gaierror:
+        raise UserError(f"cannot resolve the main node's address {host!r}; check main_process_ip.") from None
+
+
+def local_addresses() -> dict[str, str]:
+    """{IPv4 address: interface name} for every interface of this host that has one."""
+    found = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+            except OSError:  # interface without an IPv4 address
+                continue
+            found[socket.inet_ntoa(packed[20:24])] = name
+    return found
+
+
+def route_to(address: str) -> tuple[str | None, str | None]:
+    """(this host's address, interface) it would use to reach `address`; (None, None) without a route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect((address, 9))  # UDP: picks the route, sends nothing
+        except OSError:
+            return None, None
+        mine = sock.getsockname()[0]
+    return mine, local_addresses().get(mine)
+
+
+def pin_gloo_interface(main_address: str | None, environ=os.environ) -> str | None:
+    """Point gloo at the interface that reaches the main node, unless the user chose one; returns it."""
+    if environ.get("GLOO_SOCKET_IFNAME") or not main_address:
+        return None
+    name = route_to(resolve_host(main_address))[1]
+    if name and name != "lo":
+        environ["GLOO_SOCKET_IFNAME"] = name
+        return name
+    return None
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """What one machine's launcher is about to start; every machine must agree on all but the first two."""
+
+    machine_rank: int
+    host: str
+    num_machines: int
+    num_processes: int
+    rdzv_backend: str
+    engine: str
+    mixed_precision: str
+    torch: str
+    command: str  # the script and its arguments
+
+
+def _store(address: str, port: int, is_master: bool, timeout: float):
+    from torch.distributed import TCPStore
+
+    return TCPStore(address, port, None, is_master, timeout=datetime.timedelta(seconds=timeout),
+                    wait_for_workers=False)
+
+
+def _connect(address: str, port: int, timeout: float):
+    """A client of machine 0's handshake store, saying every 10 s that it is still trying."""
+    deadline, said = time.monotonic() + timeout, 0.0
+    while True:
+        try:
+            with socket.create_connection((address, port), timeout=2):
+                break
+        except OSError:
+            waited = timeout - (deadline - time.monotonic())
+            if waited >= timeout:
+                raise UserError(
+                    f"could not reach the main node at {address}:{port} within {timeout:g} s; start machine 0 "
+                    "first, check main_process_ip, and open that port in its firewall."
+                ) from None
+            if waited - said >= 10:
+                said = waited
+                print(f"[toolkit] still waiting for the main node at {address}:{port} "
+                      f"({waited:.0f} of {timeout:g} s)", file=sys.stderr, flush=True)
+            time.sleep(0.5)
+    return _store(address, port, False, max(1.0, deadline - time.monotonic()))
+
+
+def _disagreement(views: list[NodeView]) -> str | None:
+    main = views[0]
+    for view in views[1:]:
+        for field in ("num_machines", "num_processes", "rdzv_backend", "engine", "mixed_precision", "torch",
+                      "command"):
+            if getattr(view, field) != getattr(main, field):
+                return (f"machine {view.machine_rank} ({view.host}) was launched with {field} "
+                        f"{getattr(view, field)!r} but machine 0 ({main.host}) with {getattr(main, field)!r}; "
+                        "every machine must launch the same profile, engine and script.")
+    return None
+
+
+def _wait_for(store, keys: list[str], timeout: float) -> list[str]:
+    """Poll until every key is set or `timeout` passes; returns the keys still missing."""
+    deadline = time.monotonic() + timeout
+    while True:
+        missing = [key for key in keys if not store.check([key])]
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(0.2)
+
+
+def handshake(view: NodeView, address: str, port: int, timeout: float):
+    """Meet the other machines' launchers at address:port; raise UserError unless all agree."""
+    mine = json.dumps(asdict(view))
+    if view.machine_rank == 0:
+        store = _store(address, port, True, timeout)
+        store.set(PREFIX + "0", mine)
+        keys = [f"{PREFIX}{r}" for r in range(view.num_machines)]
+        missing = _wait_for(store, keys, timeout)
+        if missing:
+            verdict = (f"machine(s) {', '.join(key[len(PREFIX):] for key in missing)} of {view.num_machines} did not "
+                       f"reach {address}:{port} within {timeout:g} s; start `toolkit launch --machine_rank R` there, "
+                       "or check num_machines and the firewall.")
+        else:
+            verdict = _disagreement([NodeView(**json.loads(store.get(key))) for key in keys]) or "agreed"
+        store.set(PREFIX + "verdict", verdict)
+        arrived = [key[len(PREFIX):] for key in keys[1:] if key not in missing]
+        _wait_for(store, [f"{PREFIX}ack{r}" for r in arrived], 30)  # the store lives until all have read it
+        del store
+    else:
+        store = _connect(address, port, timeout)
+        key = f"{PREFIX}{view.machine_rank}"
+        taken = store.compare_set(key, "", mine).decode()
+        if taken != mine:
+            other = json.loads(taken)["host"]
+            raise UserError(f"machine_rank {view.machine_rank} is already taken by {other}; give each machine its own.")
+        if _wait_for(store, [PREFIX + "verdict"], timeout + 30):
+            raise UserError(f"the main node at {address}:{port} did not confirm the topology within {timeout:g} s; "
+                            "is a job already running there?")
+        verdict = store.get(PREFIX + "verdict").decode()
+        store.set(f"{PREFIX}ack{view.machine_rank}", "1")
+        del store
+    if verdict != "agreed":
+        raise UserError(verdict)
