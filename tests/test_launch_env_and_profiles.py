@@ -4,12 +4,12 @@ import dataclasses
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
-
 from conftest import CONFIGS, TOOLKIT, run
+
 from toolkit.engines import resolve_engine
 from toolkit.errors import UserError
 from toolkit.launch_env import first_slurm_host, read_launch_env
-from toolkit.launcher import plan_launch
+from toolkit.launcher import plan_launch, slurm_overrides
 from toolkit.profiles import load_profile
 
 TORCHRUN_ENV = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
@@ -80,9 +80,35 @@ def test_launch_plans():
     assert node1.command[node1.command.index("--master_addr") + 1] == "10.0.0.1"
     c10d = plan_launch(dataclasses.replace(node, rdzv_backend="c10d"), "ddp", ["t.py"], gpus=2)
     assert c10d.command[c10d.command.index("--rdzv_endpoint") + 1] == "10.0.0.1:29500"
+    # c10d numbers the nodes itself; who hosts the store is said outright, not guessed from the host name
+    assert "--node_rank" not in c10d.command and c10d.command[c10d.command.index("--rdzv_conf") + 1] == "is_host=1"
+    with pytest.raises(UserError, match="the single engine runs on one machine"):
+        plan_launch(node, "single", ["t.py"], gpus=2)
     ids = plan_launch(dataclasses.replace(multi_gpu, gpu_ids="1,0"), "accelerate", ["t.py"], gpus=2)
     assert ids.env["CUDA_VISIBLE_DEVICES"] == "1,0" and "accelerate.commands.launch" in ids.command
     assert plan_launch(multi_gpu, "dp", ["t.py"], gpus=2).command[1:] == ["t.py"]
+
+
+SLURM_STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NODEID": "1",
+              "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "2",
+              "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_STEP_NODELIST": "gpu[07-08]"}
+
+
+def test_slurm_decides_the_topology_inside_srun():
+    node = load_profile(str(CONFIGS / "multi_node.yaml"))
+    overrides, notes = slurm_overrides(node, read_launch_env(SLURM_STEP, argv=[]))
+    assert overrides == {"num_machines": 2, "machine_rank": 1, "main_process_ip": "gpu07", "main_process_port": 29500,
+                         "num_processes": 4}
+    assert notes == ["SLURM job 4242: node 1 of 2, 2 process(es) per node, main node gpu07:29500."]
+    three = {**SLURM_STEP, "SLURM_NNODES": "3", "SLURM_JOB_NUM_NODES": "3", "SLURM_JOB_NODELIST": "gpu[07-09]"}
+    no_port = dataclasses.replace(node, main_process_port=None)
+    assert slurm_overrides(no_port, read_launch_env(three, argv=[]))[0]["main_process_port"] == 20000 + 4242
+    with pytest.raises(UserError, match="srun started 2 tasks on this node"):
+        slurm_overrides(node, read_launch_env({**SLURM_STEP, "SLURM_NTASKS_PER_NODE": "2"}, argv=[]))
+    outside = {k: v for k, v in SLURM_STEP.items() if k not in ("SLURM_STEP_ID", "SLURM_PROCID")}
+    with pytest.raises(UserError, match="only this node would train"):
+        slurm_overrides(node, read_launch_env(outside, argv=[]))
+    assert slurm_overrides(node, read_launch_env({}, argv=[])) == ({}, [])
 
 
 def test_dry_run_prints_command_and_environment(tmp_path):
