@@ -16,6 +16,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 
 from toolkit.errors import UserError
+from toolkit.parity_capture import build_recorder
 
 
 class AccelerateEngine:
@@ -40,6 +41,7 @@ class AccelerateEngine:
             self.accelerator = Accelerator(**kwargs)
         except (ValueError, TypeError) as error:
             raise UserError(f"accelerate refused the settings: {error}") from None
+        self._recorder = build_recorder(self)  # `toolkit parity` only; otherwise its hooks do nothing
 
     def __getattr__(self, name):
         # Only reached for names not defined here: the whole Accelerator API stays available.
@@ -54,6 +56,15 @@ class AccelerateEngine:
         lambda self: self.accelerator.sync_gradients,
         lambda self, value: setattr(self.accelerator, "sync_gradients", value),
     )
+
+    def prepare(self, *objects, **kwargs):
+        prepared = self.accelerator.prepare(*objects, **kwargs)
+        self._recorder.prepared(objects, prepared if len(objects) != 1 else (prepared,))
+        return prepared
+
+    def backward(self, loss, **kwargs):
+        self._recorder.backward(loss)
+        self.accelerator.backward(loss, **kwargs)
 
     def set_seed(self, seed: int, device_specific: bool = True):
         """Seed every RNG (plus the rank when device_specific) and the samplers' data order."""

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from toolkit.errors import UserError
 from toolkit.launch_env import LaunchEnv
+from toolkit.parity_capture import build_recorder
 
 MIXED_PRECISION = ("no", "fp16", "bf16")
 
@@ -247,6 +248,7 @@ class TorchEngine:
         if mixed_precision == "fp16" and self.device.type != "cuda":
             raise UserError("fp16 mixed precision needs a CUDA device; use bf16 (or no) on CPU.")
         self.scaler = torch.amp.GradScaler("cuda") if mixed_precision == "fp16" else None
+        self._recorder = build_recorder(self)  # `toolkit parity` only; otherwise its hooks do nothing
 
     # -- world ---------------------------------------------------------------------------------------
     def _select_device(self) -> torch.device:
@@ -293,6 +295,7 @@ class TorchEngine:
     def prepare(self, *objects):
         """Prepare models, optimizers, data loaders and schedulers, in any order; returns them in order."""
         prepared = [self._prepare_one(obj) for obj in objects]
+        self._recorder.prepared(objects, prepared)
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
     def _prepare_one(self, obj):
@@ -347,6 +350,7 @@ class TorchEngine:
         return contextlib.nullcontext()
 
     def backward(self, loss, **kwargs):
+        self._recorder.backward(loss)
         loss = loss / self.gradient_accumulation_steps
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
