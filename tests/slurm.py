@@ -33,6 +33,8 @@ from netns import Hosts, HostsUnavailable, make_hosts
 
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "sinfo", "scontrol", "scancel", "ip")
 CTLD_PORT, SLURMD_PORT = 16817, 16818  # inside the namespaces, so they cannot clash with a real cluster's
+# Daemons live in sbin, which a non-login PATH may lack.
+SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
 # Client variables a surrounding SLURM job (or a user's shell) would leak into ours.
 _CLIENT_VARS = re.compile(r"^(SLURM|SBATCH|SRUN|SALLOC|SQUEUE|SINFO|SCONTROL)_")
 
@@ -49,7 +51,7 @@ def unavailable() -> str | None:
     """Why this machine cannot host the test cluster, or None when it can."""
     if os.geteuid() != 0:
         return "a SLURM cluster in network namespaces needs root"
-    missing = [program for program in PROGRAMS if shutil.which(program) is None]
+    missing = [program for program in PROGRAMS if shutil.which(program, path=SEARCH_PATH) is None]
     if missing:
         return (f"{', '.join(missing)} not installed (apt-get install slurmctld slurmd slurm-client munge "
                 "iproute2)")
@@ -74,6 +76,7 @@ class Cluster:
         """`base` without any other SLURM job's variables, pointed at this cluster."""
         env = {k: v for k, v in base.items() if not _CLIENT_VARS.match(k)}
         env["SLURM_CONF"] = str(self.conf)
+        env["PATH"] = os.pathsep.join([env.get("PATH", ""), "/usr/sbin", "/sbin"])
         return env
 
     def on_node(self, node: int, *command) -> list[str]:
@@ -160,7 +163,8 @@ class Cluster:
 def _cgroup_plugin() -> str:
     """slurmd 22.05 always loads a cgroup plugin, and its autodetection fails in some containers; v1 only
     loads (nothing here asks it to create a cgroup). 23.02 and later can turn cgroups off."""
-    out = subprocess.run(["slurmd", "-V"], capture_output=True, text=True, check=True).stdout
+    slurmd = shutil.which("slurmd", path=SEARCH_PATH)
+    out = subprocess.run([slurmd, "-V"], capture_output=True, text=True, check=True).stdout
     major, minor = (int(n) for n in re.search(r"(\d+)\.(\d+)", out).groups())
     return "disabled" if (major, minor) >= (23, 2) else "cgroup/v1"
 
@@ -231,7 +235,8 @@ def start_cluster(folder: Path, tag: str | None = None, timeout: float = 30):
     try:
         _write_config(folder, hosts)
         # Foreground daemons (-F, -D) stay our children: their pids are ours to stop. -f: munged as root.
-        _start(cluster, "munged", ["munged", "-F", "-f", f"--socket={folder}/munge.sock",
+        munged = shutil.which("munged", path=SEARCH_PATH)
+        _start(cluster, "munged", [munged, "-F", "-f", f"--socket={folder}/munge.sock",
                                    f"--key-file={folder}/munge.key", f"--pid-file={folder}/munged.pid",
                                    f"--seed-file={folder}/munged.seed", f"--log-file={folder}/munged.log"])
         _wait_for_file(folder / "munge.sock", cluster, timeout=10)
