@@ -8,7 +8,7 @@ import pytest
 
 from conftest import CONFIGS, ROOT, SCRIPTS, TOOLKIT, run
 from toolkit import cli
-from toolkit.parity import expected_differences
+from toolkit.parity import Comparison, TensorDiff, expected_differences, judge
 
 CPU = CONFIGS / "cpu.yaml"
 TARGET = SCRIPTS / "parity_target.py"
@@ -49,11 +49,11 @@ def test_batchnorm_over_different_per_process_batches_is_an_expected_difference(
     assert "BatchNorm without sync: 1 layer(s)" in proc.stdout and "8 samples in A and 4 in B" in proc.stdout
 
 
-def test_a_difference_nothing_explains_fails_and_points_at_the_setup():
-    proc = parity(CPU, CPU, "--engine-a", "single", "--engine-b", "single", "--steps", "2", "--args-b=--lr 0.3",
-                  "--", TARGET, check_code=1)
-    assert "verdict: DIFFER (" in proc.stdout and "expected:" not in proc.stdout
-    assert "the learning rates differ from step 1 (0.1 in A, 0.3 in B)" in proc.stdout
+def test_a_difference_nothing_explains_fails():
+    proc = parity(CPU, CPU, "--engine-a", "single", "--engine-b", "ddp", "--steps", "2", "--args-a=--batch-size 8",
+                  "--args-b=--batch-size 4", "--", TARGET, "--bug-data-per-rank", check_code=1)
+    assert "verdict: DIFFER (" in proc.stdout and "nothing in the two setups explains" in proc.stdout
+    assert "   1     " in proc.stdout  # the per-step table is there
 
 
 @pytest.mark.parametrize("args, message", [
@@ -83,7 +83,8 @@ def test_a_run_that_does_not_reach_step_k_is_a_usage_error(args, message):
 
 def record(**overrides):
     base = {"engine": "ddp", "world_size": 2, "replicas": 1, "batch_per_forward": 4, "mixed_precision": "no",
-            "gradient_accumulation_steps": 1, "batchnorm": 0, "dropout": 0, "tf32": False, "seed": 0}
+            "gradient_accumulation_steps": 1, "batchnorm": 0, "dropout": 0, "tf32": False, "seed": 0,
+            "learning_rates": [0.1, 0.1]}
     return {**base, **overrides}
 
 
@@ -98,3 +99,19 @@ def record(**overrides):
 def test_which_setups_explain_a_difference(a, b, reason):
     reasons = expected_differences(a, b)
     assert reasons == [] if reason is None else any(r.startswith(reason) for r in reasons), reasons
+
+
+DIFFERENT = Comparison([0.5], TensorDiff(0.1, "w", 1), TensorDiff(0.0, "-", 0), agree=False)
+
+
+@pytest.mark.parametrize("b, headline, code, line", [
+    (record(engine="accelerate"), "DIFFER", 1, "nothing in the two setups explains"),
+    (record(batch_per_forward=8), "DIFFER: the two setups are not equivalent", 1, "setup: the global batches differ (8 in A, 16 in B)"),
+    (record(learning_rates=[0.1, 0.3]), "DIFFER: the two setups are not equivalent", 1,
+     "setup: the learning rates differ from step 2 (0.1 in A, 0.3 in B)"),
+    (record(dropout=1), "DIFFER, EXPECTED", 3, "expected: dropout in train mode"),
+])
+def test_verdicts(b, headline, code, line):
+    verdict = judge(record(), b, DIFFERENT)
+    assert (verdict.headline, verdict.exit_code) == (headline, code)
+    assert any(text.startswith(line) for text in verdict.explanation), verdict.explanation

@@ -56,10 +56,17 @@ class Outcome:
 
 
 @dataclass(frozen=True)
+class TensorDiff:
+    largest: float  # max |A - B| over every element of the tensors compared
+    where: str  # the tensor holding it
+    count: int  # tensors compared
+
+
+@dataclass(frozen=True)
 class Comparison:
     loss_diffs: list[float]
-    weight_diff: float
-    worst_weight: str
+    parameters: TensorDiff
+    buffers: TensorDiff
     agree: bool
 
 
@@ -120,21 +127,30 @@ def _close(a: float, b: float, tolerance: float) -> bool:
     return abs(a - b) <= tolerance * (1 + abs(a))
 
 
+def _tensor_diff(a: dict, b: dict, names: list[str], tolerance: float) -> tuple[TensorDiff, bool]:
+    largest, where, agree = 0.0, "-", True
+    for name in names:
+        wa, wb = a[name].double(), b[name].double()
+        diff = (wa - wb).abs()
+        agree &= bool((diff <= tolerance * (1 + wa.abs())).all())
+        if diff.numel() and diff.max().item() >= largest:
+            largest, where = diff.max().item(), name
+    return TensorDiff(largest, where, len(names)), agree
+
+
 def compare(a: Outcome, b: Outcome, tolerance: float) -> Comparison:
-    """Per-step loss differences and the largest weight difference, and whether all are within tolerance."""
+    """Per-step loss differences and the largest parameter and buffer differences, and whether all are within
+    tolerance."""
     if a.weights.keys() != b.weights.keys() or any(a.weights[k].shape != b.weights[k].shape for k in a.weights):
         raise UserError("A and B trained different models (their weights have other names or shapes); "
                         "give both the same model arguments.")
     loss_diffs = [abs(x - y) for x, y in zip(a.record["losses"], b.record["losses"])]
     losses_agree = all(_close(x, y, tolerance) for x, y in zip(a.record["losses"], b.record["losses"]))
-    weight_diff, worst, weights_agree = 0.0, "-", True
-    for name, wa in a.weights.items():
-        wa, wb = wa.double(), b.weights[name].double()
-        diff = (wa - wb).abs()
-        weights_agree &= bool((diff <= tolerance * (1 + wa.abs())).all())
-        if diff.numel() and diff.max().item() >= weight_diff:
-            weight_diff, worst = diff.max().item(), name
-    return Comparison(loss_diffs, weight_diff, worst, losses_agree and weights_agree)
+    buffers = set(a.record["buffers"])
+    parameters, parameters_agree = _tensor_diff(a.weights, b.weights, [n for n in a.weights if n not in buffers],
+                                                tolerance)
+    buffers, buffers_agree = _tensor_diff(a.weights, b.weights, [n for n in a.weights if n in buffers], tolerance)
+    return Comparison(loss_diffs, parameters, buffers, losses_agree and parameters_agree and buffers_agree)
 
 
 def expected_differences(a: dict, b: dict) -> list[str]:
@@ -174,7 +190,7 @@ def global_batch(record: dict) -> int | None:
 def setup_mismatches(a: dict, b: dict) -> list[str]:
     """Differences between the setups that rule out agreement by themselves (the user's to fix)."""
     notes = []
-    if global_batch(a) != global_batch(b):
+    if None not in (global_batch(a), global_batch(b)) and global_batch(a) != global_batch(b):
         notes.append(f"the global batches differ ({global_batch(a)} in A, {global_batch(b)} in B): give the sides "
                      "per-process batches that multiply out to the same number with --args-a/--args-b.")
     if a["seed"] != b["seed"]:
@@ -187,32 +203,50 @@ def setup_mismatches(a: dict, b: dict) -> list[str]:
     return notes
 
 
+@dataclass(frozen=True)
+class Verdict:
+    headline: str
+    exit_code: int
+    explanation: list[str]
+
+
+def judge(a: dict, b: dict, result: Comparison) -> Verdict:
+    """Agree (0); differ because the setups are not equivalent (1); differ for reasons the setups explain (3);
+    differ with nothing to explain it (1)."""
+    if result.agree:
+        return Verdict("AGREE", EXIT_AGREE, [])
+    mismatches = setup_mismatches(a, b)
+    reasons = expected_differences(a, b)
+    if mismatches:
+        return Verdict("DIFFER: the two setups are not equivalent", EXIT_UNEXPLAINED,
+                       [f"setup: {note}" for note in mismatches] + [f"also: {reason}" for reason in reasons])
+    if reasons:
+        return Verdict("DIFFER, EXPECTED", EXIT_EXPLAINED, [f"expected: {reason}" for reason in reasons])
+    hint = ("nothing in the two setups explains this difference: look for rank-dependent code, a data order that "
+            "depends on the world size, or a bug in the distributed path.")
+    return Verdict("DIFFER", EXIT_UNEXPLAINED, [hint])
+
+
 def describe(label: str, side: Side, record: dict) -> str:
     return (f"{label}: {side.profile.path}, engine {record['engine']}, {record['world_size']} process(es) x "
             f"batch {record['batch_per_forward']} per forward x {record['gradient_accumulation_steps']} micro-step(s)"
             f" = {global_batch(record)} per step, mixed precision {record['mixed_precision']}, {record['device']}")
 
 
-def format_report(sides: list[Side], outcomes: list[Outcome], result: Comparison, reasons: list[str],
+def format_report(sides: list[Side], outcomes: list[Outcome], result: Comparison, verdict: Verdict,
                   tolerance: float) -> str:
     a, b = (o.record for o in outcomes)
     lines = [describe(side.label, side, o.record) for side, o in zip(sides, outcomes)]
     lines.append(f"{'step':>4}  {'loss A':>12}  {'loss B':>12}  {'|A-B|':>9}")
     for step, (la, lb, diff) in enumerate(zip(a["losses"], b["losses"], result.loss_diffs), 1):
         lines.append(f"{step:>4}  {la:>12.7f}  {lb:>12.7f}  {diff:>9.2e}")
-    lines.append(f"weights after step {a['steps']}: max |A-B| {result.weight_diff:.2e} (in {result.worst_weight}; "
-                 f"{len(outcomes[0].weights)} parameter and buffer tensors)")
-    rule = f"tolerance |A-B| <= {tolerance:g} x (1 + |A|) on every loss and every weight"
-    if result.agree:
-        lines.append(f"verdict: AGREE ({rule})")
-        return "\n".join(lines)
-    lines.append(f"verdict: {'DIFFER, EXPECTED' if reasons else 'DIFFER'} ({rule})")
-    lines += [f"  expected: {reason}" for reason in reasons]
-    lines += [f"  setup: {note}" for note in setup_mismatches(a, b)]
-    if not reasons:
-        lines.append("  nothing in the two setups explains this difference: look for rank-dependent code, "
-                     "data order or a bug in the distributed path.")
-    return "\n".join(lines)
+    for kind, diff in (("parameters", result.parameters), ("buffers", result.buffers)):
+        if diff.count:
+            lines.append(f"{kind} after step {a['steps']}: max |A-B| {diff.largest:.2e} (in {diff.where}; "
+                         f"{diff.count} tensors)")
+    lines.append(f"verdict: {verdict.headline} (tolerance |A-B| <= {tolerance:g} x (1 + |A|) on every loss, "
+                 f"parameter and buffer; exit code {verdict.exit_code})")
+    return "\n".join(lines + [f"  {line}" for line in verdict.explanation])
 
 
 def run_parity(args) -> int:
@@ -234,8 +268,6 @@ def run_parity(args) -> int:
         except RunFailure as error:  # a run crashed (exit 1), or stopped on a user error (exit 2)
             return report(error)
     result = compare(*outcomes, args.tolerance)
-    reasons = [] if result.agree else expected_differences(outcomes[0].record, outcomes[1].record)
-    print(format_report(sides, outcomes, result, reasons, args.tolerance))
-    if result.agree:
-        return EXIT_AGREE
-    return EXIT_EXPLAINED if reasons else EXIT_UNEXPLAINED
+    verdict = judge(outcomes[0].record, outcomes[1].record, result)
+    print(format_report(sides, outcomes, result, verdict, args.tolerance))
+    return verdict.exit_code

@@ -119,6 +119,7 @@ class ParityRecorder:
         self.learning_rates: list[float] = []  # of the first parameter group, as each step used it
         self.layers: dict = {}
         self.batch_per_forward: int | None = None
+        self.buffer_names: list[str] = []  # saved weights that are buffers (BatchNorm statistics), not parameters
         self.steps = 0
         self._hooked_optimizer = False
 
@@ -180,6 +181,7 @@ class ParityRecorder:
             "seed": getattr(engine, "seed", None),
             "batch_per_forward": self.batch_per_forward,
             "tf32": bool(tf32),
+            "buffers": self.buffer_names,
             **self.layers,
         }
 
@@ -189,7 +191,10 @@ class ParityRecorder:
         engine = self.engine
         if engine.is_main_process:
             for index, model in enumerate(self.models):
-                save_model(engine.unwrap_model(model), self.directory / MODEL_FILE.format(index=index))
+                module = engine.unwrap_model(model)
+                save_model(module, self.directory / MODEL_FILE.format(index=index))
+                self.buffer_names += [f"model{index}.{name}" if index else name for name, _ in module.named_buffers()]
+            (self.directory / RECORD_FILE).write_text(json.dumps(self.record(), indent=1))
             engine.print(f"[toolkit] parity: stopped after {self.steps} optimizer steps as asked; "
                          f"recorded in {self.directory}")
         engine.wait_for_everyone()  # nobody leaves before the weights are on disk

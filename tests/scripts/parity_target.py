@@ -15,11 +15,13 @@ parser.add_argument("--batch-size", type=int, default=8)
 parser.add_argument("--layer", choices=["none", "batchnorm", "dropout"], default="none")
 parser.add_argument("--lr", type=float, default=0.1)
 parser.add_argument("--epochs", type=int, default=4)
+parser.add_argument("--bug-data-per-rank", action="store_true", help="a classic bug: each rank makes its own data")
 args = parser.parse_args()
 
 accelerator = toolkit.build_accelerator(args.engine)
 accelerator.set_seed(0)
-generator = torch.Generator().manual_seed(1234)  # the same data on every rank
+data_seed = 1234 + (accelerator.process_index if args.bug_data_per_rank else 0)
+generator = torch.Generator().manual_seed(data_seed)  # the same data on every rank, unless the bug is asked for
 data = TensorDataset(torch.randn(64, 8, generator=generator), torch.randint(0, 4, (64,), generator=generator))
 middle = {"none": nn.Identity(), "batchnorm": nn.BatchNorm1d(16), "dropout": nn.Dropout(0.5)}[args.layer]
 model = nn.Sequential(nn.Linear(8, 16), middle, nn.Tanh(), nn.Linear(16, 4))
