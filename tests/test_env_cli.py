@@ -11,6 +11,7 @@ import torch
 
 from conftest import CONFIGS, LAUNCH_VARS, TOOLKIT, run
 from toolkit import cli
+from toolkit.envinfo import collect
 
 KEYS = {"versions", "devices", "launch_environment", "profile", "toolkit_launch", "accelerate_default_config",
         "findings"}
@@ -104,6 +105,16 @@ def test_without_config_file_it_describes_accelerates_default_config(tmp_path):
     proc = run(TOOLKIT + ["env", "--json"], check=False, HF_HOME=tmp_path)
     profile = json.loads(proc.stdout)["profile"]
     assert profile["source"] == "accelerate default config" and profile["world_size"] == 4
+
+
+def test_inside_srun_the_topology_comes_from_slurm(clean_shell):
+    srun = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_NODEID": "0",
+            "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NODELIST": "127.0.0.1"}
+    report = collect(str(CONFIGS / "cpu.yaml"), environ=srun)
+    assert (report["launch_environment"]["launcher"], report["launch_environment"]["auto_engine"]) == ("slurm", "ddp")
+    profile = report["profile"]
+    assert (profile["num_machines"], profile["world_size"], profile["main_process_ip"]) == (2, 4, "127.0.0.1")
+    assert report["findings"] == [] and "SLURM job 7" in report["toolkit_launch"]["notes"][0]
 
 
 def test_bad_profile_is_one_line_and_exit_2(tmp_path):

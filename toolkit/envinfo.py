@@ -15,6 +15,7 @@ launch, 1 when something would (an "error" finding), 2 for a bad profile.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -32,17 +33,19 @@ from toolkit.launcher import (
     format_plan,
     plan_launch,
     port_in_use,
+    slurm_overrides,
     visible_gpus,
 )
-from toolkit.profiles import Profile, load_profile
+from toolkit.profiles import Profile, check_profile, load_profile
+from toolkit.rendezvous import local_addresses, resolve_host
 
-# What a launcher leaves in the environment: set in the shell that starts a new job, they make its processes
-# think they belong to the old one (or to a job that no longer exists).
+# What torchrun and `accelerate launch` leave in their children's environment: set in the shell that starts a
+# new job, they make its processes think they belong to the old one. (SLURM's and MPI's own variables are the
+# normal setting of `srun toolkit launch` and are read as such.)
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                     "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
                     "ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_USE_CPU",
-                    "SLURM_PROCID", "SLURM_STEP_ID", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_SIZE",
-                    "PMI_RANK", "TOOLKIT_PARITY_DIR")
+                    "TOOLKIT_PARITY_DIR")
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,23 @@ def topology(profile: Profile, source: str, gpus: int) -> dict:
             "backend": "gloo" if device == "cpu" else "nccl"}
 
 
+def as_launched(profile: Profile | None, environ: Mapping[str, str]) -> tuple[Profile | None, list[str], list[Finding]]:
+    """The profile as `toolkit launch` would use it here: inside `srun`, SLURM sets the topology."""
+    try:
+        launch_env = read_launch_env(environ, argv=["toolkit"])
+    except ValueError:
+        return profile, [], []  # already reported as bad-launch-variable
+    if profile is None:
+        return profile, [], []
+    try:
+        overrides, notes = slurm_overrides(profile, launch_env)
+        profile = dataclasses.replace(profile, **overrides)
+        check_profile(profile)
+    except UserError as error:
+        return profile, [], [Finding("error", "slurm-mismatch", str(error))]
+    return profile, notes, []
+
+
 def toolkit_launch(profile: Profile | None, environ: Mapping[str, str], gpus: int) -> tuple[dict, list[Finding]]:
     """What `toolkit launch --config_file PROFILE script.py` would start (engine, command, launcher notes)."""
     engine = environ.get("TOOLKIT_ENGINE") or "accelerate"
@@ -146,7 +166,7 @@ def toolkit_launch(profile: Profile | None, environ: Mapping[str, str], gpus: in
     if profile is None:
         return info, []
     try:
-        plan = plan_launch(profile, engine, ["script.py"], gpus=gpus)
+        plan = plan_launch(profile, engine, ["script.py"], gpus=gpus, environ=environ)
     except UserError as error:
         return info, [Finding("error", "launch-refused", str(error))]
     info.update(command=format_plan(plan), notes=list(plan.notes))
@@ -162,13 +182,24 @@ def _local_address(host: str) -> bool:
         return False
 
 
-def port_findings(profile: Profile) -> list[Finding]:
-    """A fixed port already taken on this machine, when this machine hosts the rendezvous (the launcher itself
-    judges whether main_process_ip belongs here)."""
+def rendezvous_findings(profile: Profile) -> list[Finding]:
+    """When this machine hosts the rendezvous (machine_rank 0): the main address must be one of its own and a
+    fixed port must be free. The sentences are the launcher's, so a refusal it repeats is said once."""
     host, port = profile.main_process_ip or "127.0.0.1", profile.main_process_port
-    if profile.machine_rank != 0 or port in (None, 0) or not _local_address(host):
+    if profile.machine_rank != 0:
+        return []  # this machine joins; the main one hosts the store
+    if profile.num_machines > 1:
+        try:
+            host = resolve_host(host)
+        except UserError as error:
+            return [Finding("error", "main-address-unresolved", str(error))]
+        if host not in local_addresses():
+            return [Finding("error", "main-address-not-here", (
+                f"machine_rank 0 hosts the rendezvous but main_process_ip {profile.main_process_ip} is not an address "
+                "of this host; run machine 0 there or fix main_process_ip."))]
+    if port in (None, 0) or not _local_address(host):
         return []
-    if port_in_use(host, port):  # the launcher's own sentence, so that its refusal is not said twice
+    if port_in_use(host, port):
         return [Finding("error", "port-in-use",
                         f"port {port} on {host} is already in use; set another main_process_port or 0 for a free one.")]
     return []
@@ -204,7 +235,7 @@ def profile_findings(profile: Profile, gpus: int, cpus: int) -> list[Finding]:
         findings.append(Finding("warning", "bf16-emulated", (
             "this GPU has no native bf16 (it needs compute capability 8.0, Ampere, or newer): bf16 runs emulated and "
             "slow; use fp16 on it.")))
-    return findings + port_findings(profile)
+    return findings + rendezvous_findings(profile)
 
 
 def shadow_findings(profile: Profile | None, source: str | None) -> tuple[dict, list[Finding]]:
@@ -237,7 +268,10 @@ def collect(config_file: str | None, environ: Mapping[str, str] | None = None) -
     hardware = devices(environ)
     gpus = len(hardware["gpus"])
     launch_info, findings = launch_environment(environ)
+    profile, slurm_notes, slurm_findings = as_launched(profile, environ)
+    findings += slurm_findings
     plan_info, plan_findings = toolkit_launch(profile, environ, gpus)
+    plan_info["notes"] = slurm_notes + plan_info["notes"]
     default_info, shadow = shadow_findings(profile, source)
     if profile is not None:
         findings += profile_findings(profile, gpus, hardware["cpus_usable"])
