@@ -104,7 +104,15 @@ def test_slurm_decides_the_topology_inside_srun():
     no_port = dataclasses.replace(node, main_process_port=None)
     assert slurm_overrides(no_port, read_launch_env(three, argv=[]))[0]["main_process_port"] == 20000 + 4242
     with pytest.raises(UserError, match="srun started 2 tasks on this node"):
-        slurm_overrides(node, read_launch_env({**SLURM_STEP, "SLURM_NTASKS_PER_NODE": "2"}, argv=[]))
+        slurm_overrides(node, read_launch_env({**SLURM_STEP, "SLURM_STEP_TASKS_PER_NODE": "1,2"}, argv=[]))
+    # The job asked for 2 tasks per node, this srun step for 1: the step's count is the one that matters.
+    narrowed = {**SLURM_STEP, "SLURM_NTASKS_PER_NODE": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}
+    assert slurm_overrides(node, read_launch_env(narrowed, argv=[]))[0]["machine_rank"] == 1
+    # accelerate gets SLURM's topology on its command line, not the profile file's
+    plan = plan_launch(dataclasses.replace(node, **overrides), "accelerate", ["t.py"], gpus=2)
+    flags = dict(zip(plan.command[3:-1:2], plan.command[4:-1:2]))
+    assert (flags["--num_machines"], flags["--machine_rank"], flags["--main_process_ip"],
+            flags["--main_process_port"]) == ("2", "1", "gpu07", "29500")
     outside = {k: v for k, v in SLURM_STEP.items() if k not in ("SLURM_STEP_ID", "SLURM_PROCID")}
     with pytest.raises(UserError, match="only this node would train"):
         slurm_overrides(node, read_launch_env(outside, argv=[]))

@@ -69,10 +69,17 @@ def reference(tmp_path_factory):
     proc.wait()
 
 
-@pytest.mark.parametrize("engine", ["ddp"])
+@pytest.mark.parametrize("engine", ["accelerate"])
 def test_sbatch_trains_on_two_nodes_like_one_process(tmp_path, cluster, reference, engine):
-    # The job gets this environment (sbatch exports it): the engine, and `toolkit` from this Python's folder.
-    env = clean_env(ENGINE=engine, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    # The profile's main_process_ip is wrong on purpose: under SLURM the job's first node is the main node.
+    profile = tmp_path / "cluster.yaml"
+    profile.write_text((ROOT / "accelerate_configs" / "multi_node.yaml").read_text().replace(
+        "main_process_ip: 10.0.0.1 ", "main_process_ip: 10.9.9.9 "))
+    assert "10.9.9.9" in profile.read_text()
+    # The job gets this environment (sbatch exports it): the engine, the profile, and `toolkit` from this
+    # Python's folder.
+    env = clean_env(ENGINE=engine, PROFILE=profile,
+                    PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     log, out = tmp_path / "job.out", tmp_path / "run"
     started = time.monotonic()
     job, proc = cluster.sbatch(f"--output={log}", f"--chdir={ROOT}", SBATCH, *map(str, RECIPE),

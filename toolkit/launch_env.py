@@ -75,6 +75,17 @@ def _legacy_local_rank(argv: Sequence[str]) -> int | None:
     return None
 
 
+def _slurm_tasks_on_node(tasks_per_node: str, node: int) -> int:
+    """Node `node`'s entry of a SLURM per-node count list: "2(x3),1" -> [2, 2, 2, 1]."""
+    counts = []
+    for part in tasks_per_node.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not match:
+            raise ValueError(f"environment variable SLURM_STEP_TASKS_PER_NODE={tasks_per_node!r} is not a task count list")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts[min(node, len(counts) - 1)]
+
+
 def first_slurm_host(nodelist: str) -> str:
     """The first host of a SLURM node list: "gpu[03-05,09],cpu1" -> "gpu03"."""
     match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
@@ -128,8 +139,11 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
         rank = _int(environ, "SLURM_PROCID")
         world_size = _int(environ, "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", default=1)
         local_rank = _int(environ, "SLURM_LOCALID", default=0)
-        local_world = _int(environ, "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", default=world_size)
         node_rank = _int(environ, "SLURM_NODEID", default=0)
+        # The step's tasks on this node; SLURM_NTASKS_PER_NODE is the job's, which srun may have narrowed.
+        local_world = (_slurm_tasks_on_node(environ["SLURM_STEP_TASKS_PER_NODE"], node_rank)
+                       if environ.get("SLURM_STEP_TASKS_PER_NODE")
+                       else _int(environ, "SLURM_NTASKS_PER_NODE", default=world_size))
         num_nodes = _int(environ, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", default=1)
         if master_addr is None and environ.get("SLURM_STEP_NODELIST", environ.get("SLURM_NODELIST")):
             master_addr = first_slurm_host(environ.get("SLURM_STEP_NODELIST") or environ["SLURM_NODELIST"])

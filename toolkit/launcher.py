@@ -100,12 +100,15 @@ def _multi_node(profile: Profile, engine: str, environ) -> tuple[dict, list[str]
     if engine not in ("accelerate", "ddp"):
         raise UserError(f"the {engine} engine runs on one machine; use --engine ddp or accelerate for "
                         f"num_machines {profile.num_machines}.")
-    address = rendezvous.resolve_host(profile.main_process_ip)
     env, args, notes = {}, [], []
-    local_ip, name = rendezvous.route_to(address)
+    try:
+        local_ip, name = rendezvous.route_to(rendezvous.resolve_host(profile.main_process_ip))
+    except UserError:  # a --dry-run elsewhere; a real launch stops at the handshake with this error
+        local_ip = name = None
     if name and not environ.get("GLOO_SOCKET_IFNAME"):
         env["GLOO_SOCKET_IFNAME"] = name
-        notes.append(f"gloo uses interface {name}, the route to {address} (set GLOO_SOCKET_IFNAME to override).")
+        notes.append(f"gloo uses interface {name}, the route to {profile.main_process_ip} "
+                     "(set GLOO_SOCKET_IFNAME to override).")
     if profile.rdzv_backend == "c10d":
         # torchrun guesses from this host's name whether it hosts the rendezvous store and what address the
         # other nodes reach it at; a name that resolves to 127.0.0.1 breaks both, so say it outright.
@@ -133,8 +136,14 @@ def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus:
         env["CUDA_VISIBLE_DEVICES"] = profile.gpu_ids
     python = sys.executable
     if engine == "accelerate":
+        # Every topology value goes on the command line: the profile's file may hold others (SLURM's node
+        # count and main node, --machine_rank) and accelerate would read them from there.
         command = [python, "-m", "accelerate.commands.launch", "--config_file", profile.path,
-                   "--num_processes", str(profile.num_processes), "--machine_rank", str(profile.machine_rank)]
+                   "--num_processes", str(profile.num_processes), "--num_machines", str(profile.num_machines),
+                   "--machine_rank", str(profile.machine_rank)]
+        if profile.num_machines > 1:
+            command += ["--main_process_ip", profile.main_process_ip,
+                        "--main_process_port", str(profile.main_process_port or 29500)]
         if profile.num_processes > 1 and profile.distributed_type in ("MULTI_CPU", "NO") and gpus == 0:
             command.append("--multi_gpu")  # accelerate's torchrun path; the engine makes it a gloo group
             notes.append("MULTI_CPU without mpirun starts one process in accelerate: routed through torchrun.")
