@@ -85,6 +85,11 @@ def paired_ratio(times: dict[str, list[float]], side: str, over: str) -> float:
     return statistics.median(t_over / t_side for t_side, t_over in zip(times[side], times[over]))
 
 
+def best_ratio(times: dict[str, list[float]], side: str, over: str) -> float:
+    """Like paired_ratio but from each side's fastest round: the least disturbed one on a busy machine."""
+    return min(times[over]) / min(times[side])
+
+
 def per_second(items: float, seconds: list[float]) -> float:
     """Items per second at the median time of a call that handles `items` items."""
     return items / statistics.median(seconds)

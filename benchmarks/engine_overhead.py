@@ -44,12 +44,12 @@ def parse_args(argv=None):
                         + ", ".join(f"{k} {v}" for k, v in BATCH.items()) + ")")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: the overhead is "
                         "per-step Python work, and one thread keeps timings steady on a busy machine)")
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 12; --quick 3)")
-    parser.add_argument("--block-s", type=float, default=None, help="seconds per side per round (default 0.6; --quick 0.1)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 8; --quick 3)")
+    parser.add_argument("--block-s", type=float, default=None, help="seconds per side per round (default 0.4; --quick 0.1)")
     args = parser.parse_args(argv)
     args.models = (args.models or ("tiny" if args.quick else "tiny,resnet9")).split(",")
-    args.rounds = args.rounds or (3 if args.quick else 12)
-    args.block_s = args.block_s or (0.1 if args.quick else 0.6)
+    args.rounds = args.rounds or (3 if args.quick else 8)
+    args.block_s = args.block_s or (0.1 if args.quick else 0.4)
     unknown = [m for m in args.models if m not in MODELS]
     if unknown or (args.batch_size is not None and args.batch_size < 1) or min(args.rounds, args.threads) < 1 or args.block_s <= 0:
         raise UserError(f"--models takes names from {', '.join(MODELS)} (got {','.join(args.models)}); "
@@ -136,8 +136,9 @@ def measure_model(name: str, args, engines: dict):
         extra_ms = statistics.median(s - r for s, r in zip(times[side], times[REFERENCE])) / n * 1000
         if side != REFERENCE:
             ratios.append(ratio)
+        best = common.best_ratio(times, side, over=REFERENCE)
         rows.append([name, side, batch, common.per_second(batch * n, times[side]), f"{ratio.value:.3f}",
-                     f"{extra_ms:+.2f}", f">= {ratio.target:g}" if ratio.target else "", ratio.verdict])
+                     f"{best:.3f}", f"{extra_ms:+.2f}", f">= {ratio.target:g}" if ratio.target else "", ratio.verdict])
     return rows, ratios
 
 
@@ -160,11 +161,13 @@ def main(argv=None) -> int:
          "without the toolkit, so ddp / it is the toolkit's share and it / plain loop is DDP's own."),
         ("extra ms/step: the median per-round difference to the plain loop, a fixed cost per step that weighs "
          "most on the smallest model."),
+        ("the target is judged on the median ratio; 'fastest rounds' compares each side's fastest round, "
+         "the least disturbed by other work on a busy machine."),
     ]
-    columns = ["model", "side", "batch", "images/s (median)", "ratio to plain loop", "extra ms/step", "target",
-               "result"]
+    columns = ["model", "side", "batch", "images/s (median)", "ratio to plain loop (median)", "ratio, fastest rounds",
+               "extra ms/step", "target", "result"]
     bars = common.Bars([f"{r[0]} {r[1]}" for r in rows], [r[3] for r in rows], "images/s (median over rounds)",
-                       [f"{r[4]}x {r[7]}".strip() for r in rows])
+                       [f"{r[4]}x {r[8]}".strip() for r in rows])
     common.publish(out, "engine_overhead", "Engine overhead: images/s relative to a plain PyTorch loop",
                    (columns, rows), ratios, notes, bars)
     return common.exit_code(ratios, args.quick)

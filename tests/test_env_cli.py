@@ -8,8 +8,8 @@ import socket
 import accelerate.commands.config.config_args as accelerate_config
 import pytest
 import torch
-
 from conftest import CONFIGS, LAUNCH_VARS, TOOLKIT, run
+
 from toolkit import cli
 from toolkit.envinfo import collect
 

@@ -5,8 +5,8 @@ not (BatchNorm over different per-process batches), and fail when nothing explai
 import json
 
 import pytest
-
 from conftest import CONFIGS, ROOT, SCRIPTS, TOOLKIT, run
+
 from toolkit import cli
 from toolkit.parity import Comparison, TensorDiff, expected_differences, judge
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 # Variables `accelerate launch` sets for its children, whichever launcher it picks.
 _ACCELERATE_MARKERS = ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND")
