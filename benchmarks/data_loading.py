@@ -118,7 +118,8 @@ def main(argv=None) -> int:
         rows.append([name, common.per_second(per_epoch, times[name]), f"{relative:.2f}"])
     notes = [
         (f"memory runs in this process on {torch.get_num_threads()} torch thread(s) (--threads); the DataLoaders "
-         f"use {args.workers} worker process(es) (--workers), 1 thread each."),
+         + (f"use {args.workers} worker process(es) (--workers), 1 thread each." if args.workers else
+            "load in this process too (--workers 0).")),
         "data only, no model: the ceiling each loader puts on training speed.",
     ]
     bars = common.Bars([r[0] for r in rows], [r[1] for r in rows], "images/s (median over epochs)",
