@@ -66,7 +66,7 @@ class ParityStop(SystemExit):
 class NoRecorder:
     """The recorder when no parity run was asked for: every hook is a no-op."""
 
-    def prepared(self, objects, results):
+    def prepared(self, results):
         pass
 
     def backward(self, loss):
@@ -124,7 +124,8 @@ class ParityRecorder:
         self._hooked_optimizer = False
 
     # -- hooks the engines call ----------------------------------------------------------------------
-    def prepared(self, objects, results):
+    def prepared(self, results):
+        """Watch the models (batch size, layers, weights) and count the first optimizer's steps."""
         for result in results:
             if isinstance(result, torch.nn.Module):
                 self._watch_model(result)

@@ -59,7 +59,7 @@ class AccelerateEngine:
 
     def prepare(self, *objects, **kwargs):
         prepared = self.accelerator.prepare(*objects, **kwargs)
-        self._recorder.prepared(objects, prepared if len(objects) != 1 else (prepared,))
+        self._recorder.prepared(prepared if len(objects) != 1 else (prepared,))
         return prepared
 
     def backward(self, loss, **kwargs):

@@ -295,7 +295,7 @@ class TorchEngine:
     def prepare(self, *objects):
         """Prepare models, optimizers, data loaders and schedulers, in any order; returns them in order."""
         prepared = [self._prepare_one(obj) for obj in objects]
-        self._recorder.prepared(objects, prepared)
+        self._recorder.prepared(prepared)
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
     def _prepare_one(self, obj):
