@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.errors import UserError, report
+from toolkit.records import git_commit
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -172,7 +173,8 @@ def write_results(out: Path, title: str, columns: list[str], rows: list[list[obj
                   notes: list[str], plot: str) -> Path:
     """results.md: the command, the machine, the table, the ratio lines and the notes."""
     command = " ".join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
-    measured = f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {machine_line()}."
+    commit = (git_commit(ROOT) or "unknown")[:10]
+    measured = f"Measured {time.strftime('%Y-%m-%d %H:%M')} at commit {commit} on {machine_line()}."
     text = [f"# {title}", "", f"Command: `{command}`  ", measured, "", markdown_table(columns, rows), ""]
     text += [f"- `{r.line()}`" for r in ratios]
     text += [f"- {note}" for note in notes]

@@ -44,12 +44,12 @@ def parse_args(argv=None):
                         + ", ".join(f"{k} {v}" for k, v in BATCH.items()) + ")")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: the overhead is "
                         "per-step Python work, and one thread keeps timings steady on a busy machine)")
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 8; --quick 3)")
-    parser.add_argument("--block-s", type=float, default=None, help="seconds per side per round (default 0.4; --quick 0.1)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 16; --quick 3)")
+    parser.add_argument("--block-s", type=float, default=None, help="seconds per side per round (default 0.2; --quick 0.1)")
     args = parser.parse_args(argv)
     args.models = (args.models or ("tiny" if args.quick else "tiny,resnet9")).split(",")
-    args.rounds = args.rounds or (3 if args.quick else 8)
-    args.block_s = args.block_s or (0.1 if args.quick else 0.4)
+    args.rounds = args.rounds or (3 if args.quick else 16)
+    args.block_s = args.block_s or (0.1 if args.quick else 0.2)
     unknown = [m for m in args.models if m not in MODELS]
     if unknown or (args.batch_size is not None and args.batch_size < 1) or min(args.rounds, args.threads) < 1 or args.block_s <= 0:
         raise UserError(f"--models takes names from {', '.join(MODELS)} (got {','.join(args.models)}); "
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
         for accelerator in engines.values():
             accelerator.end_training()
     notes = [
-        f"torch uses {torch.get_num_threads()} intra-op threads (--threads); all sides run in this one process.",
+        f"torch uses {torch.get_num_threads()} intra-op thread(s) (--threads); all sides run in this one process.",
         (f"ddp is a one-process gloo group (its all-reduce runs, with no peer); '{RAW_DDP}' is the same DDP "
          "without the toolkit, so ddp / it is the toolkit's share and it / plain loop is DDP's own."),
         ("extra ms/step: the median per-round difference to the plain loop, a fixed cost per step that weighs "
