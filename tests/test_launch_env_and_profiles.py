@@ -54,6 +54,10 @@ def test_slurm_first_host_and_engine_precedence():
 def test_accelerate_simple_launcher_that_lost_processes_is_noticed():
     env = read_launch_env({"ACCELERATE_MIXED_PRECISION": "no", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, ["x"])
     assert env.launcher == "accelerate" and env.accelerate_lost_processes
+    # a world of one that torchrun started (accelerate launch --num_processes 1 via its torchrun path) is not lost
+    one = read_launch_env({"ACCELERATE_MIXED_PRECISION": "no", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                           "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, ["x"])
+    assert not one.accelerate_lost_processes
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from toolkit.engines import ENGINES
-from toolkit.errors import UserError, report
+from toolkit.errors import RunFailure, report
 
 
 def _launch_parser(sub):
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
             from toolkit.envinfo import run_env
 
             return run_env(args)
-    except UserError as error:
+    except RunFailure as error:  # UserError included: one sentence, its own exit code
         return report(error)
     except KeyboardInterrupt:
         return 130

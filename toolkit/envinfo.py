@@ -37,7 +37,7 @@ from toolkit.launcher import (
     visible_gpus,
 )
 from toolkit.profiles import Profile, check_profile, load_profile
-from toolkit.rendezvous import local_addresses, resolve_host
+from toolkit.rendezvous import check_main_host, resolve_host
 
 # What torchrun and `accelerate launch` leave in their children's environment: set in the shell that starts a
 # new job, they make its processes think they belong to the old one. (SLURM's and MPI's own variables are the
@@ -193,10 +193,10 @@ def rendezvous_findings(profile: Profile) -> list[Finding]:
             host = resolve_host(host)
         except UserError as error:
             return [Finding("error", "main-address-unresolved", str(error))]
-        if host not in local_addresses():
-            return [Finding("error", "main-address-not-here", (
-                f"machine_rank 0 hosts the rendezvous but main_process_ip {profile.main_process_ip} is not an address "
-                "of this host; run machine 0 there or fix main_process_ip."))]
+        try:
+            check_main_host(profile.main_process_ip)
+        except UserError as error:
+            return [Finding("error", "main-address-not-here", str(error))]
     if port in (None, 0) or not _local_address(host):
         return []
     if port_in_use(host, port):

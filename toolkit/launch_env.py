@@ -162,7 +162,8 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
         device=_device(local_rank),
         master_addr=master_addr,
         master_port=master_port,
-        accelerate_lost_processes=by_accelerate and world_size == 1 and master_port is not None,
+        # WORLD_SIZE absent: a torchrun-started world of 1 is a real (if small) group, not a lost one.
+        accelerate_lost_processes=by_accelerate and "WORLD_SIZE" not in environ and master_port is not None,
         engine=engine,
         mixed_precision=environ.get("ACCELERATE_MIXED_PRECISION") or None,
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", default=0),

@@ -269,9 +269,8 @@ def meet_other_machines(profile: Profile, engine: str, script_and_args: list[str
         mixed_precision=profile.mixed_precision, torch=torch.__version__.split("+")[0],
         command=shlex.join(script_and_args))
     address, port = rendezvous.resolve_host(profile.main_process_ip), profile.main_process_port or 29500
-    if profile.machine_rank == 0 and address not in rendezvous.local_addresses():
-        raise UserError(f"machine_rank 0 hosts the rendezvous but main_process_ip {profile.main_process_ip} is not "
-                        "an address of this host; run machine 0 there or fix main_process_ip.")
+    if profile.machine_rank == 0:
+        rendezvous.check_main_host(profile.main_process_ip)
     print(f"[toolkit] machine {profile.machine_rank} of {profile.num_machines}: meeting the others at "
           f"{address}:{port} (timeout {timeout:g} s)", file=sys.stderr, flush=True)
     rendezvous.handshake(view, address, port, timeout)

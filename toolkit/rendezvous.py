@@ -51,6 +51,15 @@ def local_addresses() -> dict[str, str]:
     return found
 
 
+def check_main_host(main_process_ip: str) -> str:
+    """Machine 0 hosts the rendezvous: its main address must be one of this host's. Returns the address."""
+    address = resolve_host(main_process_ip)
+    if address not in local_addresses():
+        raise UserError(f"machine_rank 0 hosts the rendezvous but main_process_ip {main_process_ip} is not an "
+                        "address of this host; run machine 0 there or fix main_process_ip.")
+    return address
+
+
 def route_to(address: str) -> tuple[str | None, str | None]:
     """(this host's address, interface) it would use to reach `address`; (None, None) without a route."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
