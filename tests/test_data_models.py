@@ -231,6 +231,17 @@ def test_two_ranks_at_batch_b_equal_one_rank_at_batch_2b(numbered):
     assert not torch.equal(xs, normalize(x[ys]))  # training batches are augmented
 
 
+def test_two_micro_batches_of_b_equal_one_batch_of_2b(numbered):
+    """Gradient accumulation sees the same augmented images: augmentation follows the epoch position."""
+    x, y = numbered
+    whole, halves = MemoryLoader(x, y, 16, seed=7), MemoryLoader(x, y, 8, seed=7)
+    whole.set_epoch(1), halves.set_epoch(1)
+    halves = list(halves)
+    for step, (xs, ys) in enumerate(whole):
+        (x0, y0), (x1, y1) = halves[2 * step], halves[2 * step + 1]
+        assert torch.equal(torch.cat([y0, y1]), ys) and torch.equal(torch.cat([x0, x1]), xs)
+
+
 def test_start_batch_resumes_with_the_tail_of_the_epoch(numbered):
     x, y = numbered
     loader = MemoryLoader(x, y, 8, rank=1, world_size=2, seed=3)

@@ -34,6 +34,16 @@ def test_recipe_one_process_with_double_batch_agrees_with_two_accelerate_ranks(t
     assert a["learning_rates"] == b["learning_rates"] and a["learning_rates"][-1] > 0  # training really moved
 
 
+def test_recipe_gradient_accumulation_agrees_with_the_whole_batch(tmp_path):
+    """1 x 8 against 1 x 4 with 2 accumulation steps: the memory loader augments by epoch position, so the
+    two micro-batches hold exactly the images (and crops and flips) of the whole batch."""
+    proc = parity(CPU, CPU, "--engine-a", "single", "--engine-b", "single", "--steps", "4",
+                  "--args-a=--batch-size 8", "--args-b=--batch-size 4 --grad-accum 2", "--",
+                  CIFAR, "--dataset", "synthetic", "--model", "tiny", "--max-steps", "4",
+                  "--output-dir", tmp_path / "run", check_code=0)
+    assert "1 process(es) x batch 4 per forward x 2 micro-step(s) = 8 per step" in proc.stdout
+
+
 def test_accelerate_agrees_with_ddp():
     proc = parity(CPU, CPU, "--engine-a", "accelerate", "--engine-b", "ddp", "--steps", "3",
                   "--", TARGET, "--batch-size", "4", check_code=0)

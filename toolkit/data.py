@@ -205,9 +205,11 @@ class MemoryLoader:
     Train (shuffled, augmented, drop_last by default): epoch e uses the permutation seeded by
     (seed, e), the same on every rank. With W = world_size and B = batch_size, global step k is
     perm[k*W*B : (k+1)*W*B] and rank r takes every W-th sample of it, [r::W]. Crop/flip parameters
-    are drawn for the whole global batch from a generator seeded by (seed, e, k), and each rank
-    applies its slice. So the union of W ranks' step-k batches at batch B is exactly the step-k
-    batch of one rank at batch W*B, augmentation included, and the ranks' shards are disjoint.
+    are drawn once per epoch for every position of the permutation, from a generator seeded by
+    (seed, e), so a sample's augmentation depends on its position in the epoch only. So the union of
+    W ranks' step-k batches at batch B is exactly the step-k batch of one rank at batch W*B,
+    augmentation included, and so are G consecutive micro-batches of B*W/G (gradient
+    accumulation); the ranks' shards are disjoint.
     At most W-1 samples per epoch are dropped so all ranks see the same number of samples.
 
     Resume: call `set_epoch(e, start_batch=k)` with k = global samples already consumed this
@@ -267,17 +269,17 @@ class MemoryLoader:
 
     def _train_batches(self, start: int):
         # The permutation is drawn on the CPU so it is identical on every device type.
-        perm = torch.randperm(len(self.images), generator=torch.Generator().manual_seed(_mix(self.seed, self.epoch)))
-        perm = perm[: len(perm) - len(perm) % self.world_size]
+        generator = torch.Generator().manual_seed(_mix(self.seed, self.epoch))
+        perm = torch.randperm(len(self.images), generator=generator)
+        augment = _draw_augment(len(perm), generator, self.device)  # one draw per position in the epoch
         global_batch = self.world_size * self.batch_size
-        mine = slice(self.rank, None, self.world_size)
         for step in range(start, self._batches):
-            step_idx = perm[step * global_batch:(step + 1) * global_batch]
-            generator = torch.Generator().manual_seed(_mix(self.seed, self.epoch, step))
-            dy, dx, flip = _draw_augment(len(step_idx), generator, self.device)
-            idx = step_idx[mine].to(self.device)
-            images = _crop_flip(self.images[idx], dy[mine], dx[mine], flip[mine])
-            yield normalize(images), self.labels[idx]
+            # This rank's positions in the epoch order: every W-th of global step `step`'s.
+            end = min((step + 1) * global_batch, self.samples_per_epoch)
+            positions = torch.arange(step * global_batch + self.rank, end, self.world_size)
+            idx = perm[positions].to(self.device)
+            dy, dx, flip = (a[positions.to(self.device)] for a in augment)
+            yield normalize(_crop_flip(self.images[idx], dy, dx, flip)), self.labels[idx]
 
     def _eval_batches(self, start: int):
         shard = self._shard[: self.num_samples]
