@@ -68,7 +68,7 @@ def prepare_out(out: Path) -> Path:
 def time_interleaved(sides: dict[str, Callable[[], object]], rounds: int,
                      sync: Callable[[], object] = lambda: None) -> dict[str, list[float]]:
     """Call every side once per round (rotating the order) and return each side's seconds per round.
-    `sync` runs before each clock read (torch.cuda.synchronize on a GPU)."""
+    `sync` runs before each clock read: torch.cuda.synchronize on a GPU, a barrier across ranks."""
     names, times = list(sides), {name: [] for name in sides}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:

@@ -46,12 +46,12 @@ def parse_args(argv=None):
     parser.add_argument("--model", default=None, choices=sorted(MODELS), help="default resnet9; --quick: tiny")
     parser.add_argument("--batch-size", type=int, default=32, help="images per rank per step (default 32)")
     parser.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket size in MiB (default: DDP's)")
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 8; --quick 3)")
-    parser.add_argument("--block-s", type=float, default=None, help="seconds per side per round (default 2; --quick 0.3)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 16; --quick 3)")
+    parser.add_argument("--block-s", type=float, default=None, help="seconds per side per round (default 1; --quick 0.3)")
     args = parser.parse_args(argv)
     args.model = args.model or ("tiny" if args.quick else "resnet9")
-    args.rounds = args.rounds or (3 if args.quick else 8)
-    args.block_s = args.block_s or (0.3 if args.quick else 2.0)
+    args.rounds = args.rounds or (3 if args.quick else 16)
+    args.block_s = args.block_s or (0.3 if args.quick else 1.0)
     if args.batch_size < 1 or args.rounds < 1 or args.block_s <= 0 or (args.bucket_cap_mb or 1) <= 0:
         raise UserError("--batch-size, --rounds, --block-s and --bucket-cap-mb must be positive.")
     return args
