@@ -1,7 +1,7 @@
 """Data loading: images/s of the memory loader divided by a torch DataLoader with PIL transforms, data only.
 
     python benchmarks/data_loading.py                 # 20,000 synthetic images, batch 128, about a minute on 2 CPU cores
-    python benchmarks/data_loading.py --quick         # 2,048 images, about 15 s
+    python benchmarks/data_loading.py --quick         # 2,048 images, about 12 s
     python benchmarks/data_loading.py --workers 0     # both sides on one core (default: a worker per CPU, up to 4)
 
 Three loaders over the same uint8 CIFAR-sized images, each timed over one epoch per round (batches are

@@ -1,7 +1,7 @@
 """DDP communication cost: images/s of 2-rank gloo DDP divided by two processes doing the same work alone.
 
-    python benchmarks/ddp_comm.py                       # resnet9, batch 32 per rank, about 2 minutes on 2 CPU cores
-    python benchmarks/ddp_comm.py --quick               # tiny, about 15 s
+    python benchmarks/ddp_comm.py                       # resnet9, batch 32 per rank, about a minute on 2 CPU cores
+    python benchmarks/ddp_comm.py --quick               # tiny, about 12 s
     python benchmarks/ddp_comm.py --bucket-cap-mb 5     # DDP's gradient bucket size (default: DDP's, 25 MiB)
 
 Two processes (torch.multiprocessing.spawn, OMP_NUM_THREADS=1 and one torch thread each) form one gloo

@@ -2,7 +2,7 @@
 and torch.compile are switched on one after another.
 
     python benchmarks/model_throughput.py --device cuda            # a GPU machine: both models, under 5 minutes
-    python benchmarks/model_throughput.py --device cuda --quick    # a GPU machine: about a minute
+    python benchmarks/model_throughput.py --device cuda --quick    # a GPU machine: a minute or two, mostly compiling
     python benchmarks/model_throughput.py --device cpu --quick     # no GPU: the tiny net, exercises the code (CI)
 
 Per model, four configurations of the same initial weights, each adding one switch to the one before:
