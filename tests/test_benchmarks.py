@@ -9,8 +9,6 @@ import pytest
 import torch
 from conftest import PY, ROOT, run
 
-pytest.importorskip("matplotlib")  # the scripts draw their plot with it
-
 BENCHMARKS = ROOT / "benchmarks"
 RATIO = re.compile(r"^ratio (.+?): (\d+\.\d+)", re.MULTILINE)
 
