@@ -1,8 +1,11 @@
 """Data loading: images/s of the memory loader divided by a torch DataLoader with PIL transforms, data only.
 
-    python benchmarks/data_loading.py                 # 20,000 synthetic images, batch 128, about a minute on 2 CPU cores
-    python benchmarks/data_loading.py --quick         # 2,048 images, about 12 s
-    python benchmarks/data_loading.py --workers 0     # both sides on one core (default: a worker per CPU, up to 4)
+    python benchmarks/data_loading.py                          # one core each side, 20,000 images, batch 128, ~1 min
+    python benchmarks/data_loading.py --quick                  # 2,048 images, about 12 s
+    python benchmarks/data_loading.py --threads 2 --workers 2  # two cores each side
+
+The ratio is fair only with the same cores on both sides: the default gives each loader one (memory: one
+torch thread; DataLoader: no worker processes, loading in this process).
 
 Three loaders over the same uint8 CIFAR-sized images, each timed over one epoch per round (batches are
 produced and dropped, no model), all with the same augmentation (random 32-crop of the 4-pixel
@@ -17,8 +20,6 @@ comparison is tilted towards the DataLoaders, not away from them. Target: memory
 """
 
 from __future__ import annotations
-
-import os
 
 import common
 import torch
@@ -41,10 +42,10 @@ def parse_args(argv=None):
     parser = common.build_parser("data_loading", __doc__)
     parser.add_argument("--images", type=int, default=None, help="training images (default 20000; --quick 2048)")
     parser.add_argument("--batch-size", type=int, default=128, help="images per batch (default 128, the recipe's)")
-    parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
-                        help="DataLoader worker processes (default: %(default)s, one per CPU up to 4)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads for the memory loader (default 1: "
-                        "on a busy machine a second OpenMP thread waits for its partner more than it helps)")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="DataLoader worker processes (default 0: one core, as the memory loader's one thread)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for the memory loader (default 1; "
+                        "give the DataLoader as many --workers for a fair ratio)")
     parser.add_argument("--rounds", type=int, default=None, help="timed epochs per loader (default 7; --quick 3)")
     args = parser.parse_args(argv)
     args.images = args.images or (2048 if args.quick else 20000)
