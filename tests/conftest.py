@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -33,6 +34,20 @@ def run(cmd, timeout=180, check=True, cwd=ROOT, **env):
         pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\n"
                     f"STDERR:\n{proc.stderr[-5000:]}")
     return proc
+
+
+def final_weights(out, steps=None):
+    """The model weights of OUT's latest checkpoint, which must be that of step `steps` when given."""
+    from toolkit.checkpoint import latest_checkpoint
+
+    checkpoint = latest_checkpoint(Path(out) / "checkpoints")
+    assert checkpoint is not None and (steps is None or checkpoint.name == f"step-{steps:08d}"), checkpoint
+    return safetensors.torch.load_file(checkpoint / "model.safetensors")
+
+
+def max_weight_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def read_json(path):

@@ -33,17 +33,17 @@ class Hosts:
         return ["ip", "netns", "exec", self.names[host]]
 
     def pids(self, host: int) -> list[int]:
-        out = subprocess.run(["ip", "netns", "pids", self.names[host]], capture_output=True, text=True).stdout
+        out = subprocess.run(["ip", "netns", "pids", self.names[host]], check=False, capture_output=True, text=True).stdout
         return [int(pid) for pid in out.split()]
 
     def remove(self):
         for name in self.names:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
             shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
 
 
 def _sh(*cmd: str):
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if proc.returncode:
         raise HostsUnavailable(f"`{' '.join(cmd)}` failed: {proc.stderr.strip() or proc.returncode}")
 

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-import safetensors.torch
+from conftest import CONFIGS, PY, ROOT, TOOLKIT, clean_env, final_weights, read_json, run
 
-from conftest import CONFIGS, PY, ROOT, TOOLKIT, clean_env, read_json, run
 from toolkit.checkpoint import latest_checkpoint, verify_checkpoint
 from toolkit.launcher import free_port
 
@@ -46,10 +45,6 @@ def worker(proc, rank):
         except psutil.NoSuchProcess:
             continue
     raise AssertionError(f"no rank-{rank} worker under pid {proc.pid}")
-
-
-def final_weights(out):
-    return safetensors.torch.load_file(latest_checkpoint(Path(out) / "checkpoints") / "model.safetensors")
 
 
 def start(cmd, log):

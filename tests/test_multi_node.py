@@ -16,12 +16,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-import safetensors.torch
 import yaml
-from conftest import ACCELERATE, CONFIGS, PY, ROOT, TOOLKIT, clean_env, read_json, run
+from conftest import ACCELERATE, CONFIGS, PY, ROOT, TOOLKIT, clean_env, final_weights, max_weight_diff, read_json, run
 from netns import HostsUnavailable, make_hosts
-
-from toolkit.checkpoint import latest_checkpoint
 
 CIFAR = ROOT / "recipes" / "cifar.py"
 MULTI_NODE = CONFIGS / "multi_node.yaml"
@@ -67,20 +64,9 @@ def check_same_training(reference, out):
     assert sorted(got) == list(range(1, STEPS + 1))
     first = max(abs(expected[s] - got[s]) for s in range(1, FIRST_STEPS + 1))
     assert first <= FIRST_LOSSES_ATOL, f"the first {FIRST_STEPS} losses differ by {first:.2e}"
-    diff = max_diff(final_weights(reference), final_weights(out))
+    diff = max_weight_diff(final_weights(reference, STEPS), final_weights(out, STEPS))
     assert diff <= WEIGHTS_ATOL, diff
     return first, diff
-
-
-def final_weights(out):
-    checkpoint = latest_checkpoint(Path(out) / "checkpoints")
-    assert checkpoint is not None and checkpoint.name == f"step-{STEPS:08d}", checkpoint
-    return safetensors.torch.load_file(checkpoint / "model.safetensors")
-
-
-def max_diff(a, b):
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def start_on(hosts, host, cmd, log):

@@ -20,10 +20,22 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-import safetensors.torch
 import torch
+from conftest import (
+    ACCELERATE,
+    CONFIGS,
+    PY,
+    ROOT,
+    SCRIPTS,
+    TOOLKIT,
+    TORCHRUN,
+    clean_env,
+    final_weights,
+    max_weight_diff,
+    read_json,
+    run,
+)
 
-from conftest import ACCELERATE, CONFIGS, PY, ROOT, SCRIPTS, TOOLKIT, TORCHRUN, clean_env, read_json, run
 from toolkit.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
 from toolkit.launcher import free_port
 
@@ -59,17 +71,6 @@ def step_rows(out):
         if row["kind"] == "step":
             rows[row["step"]] = row
     return rows
-
-
-def final_weights(out):
-    checkpoint = latest_checkpoint(Path(out) / "checkpoints")
-    assert checkpoint is not None and checkpoint.name == f"step-{TOTAL_STEPS:08d}", checkpoint
-    return safetensors.torch.load_file(checkpoint / "model.safetensors")
-
-
-def max_weight_diff(a, b):
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def output(proc):
@@ -209,7 +210,7 @@ def test_two_ranks_learn_with_one_bar_and_one_summary(request, tmp_path, referen
     out, proc, writes = request.getfixturevalue("ddp_run") if engine == "ddp" else two_rank_run(tmp_path, engine)
     summary = read_json(out / "summary.json")
     print(f"{engine} x 2: test accuracy {summary['test_accuracy']}, max |weight diff| to single "
-          f"{max_weight_diff(final_weights(out), final_weights(reference[0])):.2e}")
+          f"{max_weight_diff(final_weights(out, TOTAL_STEPS), final_weights(reference[0], TOTAL_STEPS)):.2e}")
     assert summary["test_accuracy"] >= LEARNED, summary["test_accuracy"]
     assert (summary["engine"], summary["world_size"], summary["test_count"], summary["steps"]) == (engine, 2, 1000,
                                                                                                   TOTAL_STEPS)
@@ -305,7 +306,7 @@ def test_resume_mid_epoch_equals_the_uninterrupted_run(tmp_path, reference):
     ref, got = step_rows(ref_out), step_rows(out)
     assert sorted(got) == list(range(50, TOTAL_STEPS + 1))
     assert all(got[s]["loss"] == ref[s]["loss"] and got[s]["lr"] == ref[s]["lr"] for s in got)  # exact on CPU
-    expected, weights = final_weights(ref_out), final_weights(out)
+    expected, weights = final_weights(ref_out, TOTAL_STEPS), final_weights(out, TOTAL_STEPS)
     assert all(torch.equal(expected[k], weights[k]) for k in expected)
     assert read_json(out / "summary.json")["test_accuracy"] == read_json(ref_out / "summary.json")["test_accuracy"]
 
@@ -326,7 +327,7 @@ def test_ddp_checkpoint_resumes_on_one_process_under_single_and_dp(tmp_path, ref
     results = run_together(
         [[PY, CIFAR, *SYNTHETIC, "--batch-size", GLOBAL_BATCH, "--engine", e, *EVERY_7, "--output-dir", tmp_path / e,
           "--resume", checkpoint] for e in engines], [tmp_path / e for e in engines])
-    expected = final_weights(reference[0])
+    expected = final_weights(reference[0], TOTAL_STEPS)
     finals = {}
     for engine, proc in zip(engines, results):
         assert proc.returncode == 0, output(proc)[-3000:]
@@ -334,7 +335,7 @@ def test_ddp_checkpoint_resumes_on_one_process_under_single_and_dp(tmp_path, ref
         summary = read_json(tmp_path / engine / "summary.json")
         assert (summary["engine"], summary["world_size"], summary["steps"]) == (engine, 1, TOTAL_STEPS)
         loss_diff = check_resumed_like_reference(tmp_path / engine, reference[0], resumed_at=21)
-        finals[engine] = final_weights(tmp_path / engine)
+        finals[engine] = final_weights(tmp_path / engine, TOTAL_STEPS)
         diff = max_weight_diff(expected, finals[engine])
         print(f"ddp@21 -> {engine}: max |weight diff| {diff:.2e}, max |loss diff| {loss_diff:.2e}")
         assert diff <= WORLD_CHANGE_WEIGHT_ATOL, diff
@@ -352,7 +353,7 @@ def test_one_process_checkpoint_resumes_on_two_accelerate_ranks(tmp_path, refere
     summary = read_json(out / "summary.json")
     assert (summary["engine"], summary["world_size"], summary["steps"]) == ("accelerate", 2, TOTAL_STEPS)
     loss_diff = check_resumed_like_reference(out, reference[0], resumed_at=35)
-    diff = max_weight_diff(final_weights(reference[0]), final_weights(out))
+    diff = max_weight_diff(final_weights(reference[0], TOTAL_STEPS), final_weights(out, TOTAL_STEPS))
     print(f"single@35 -> accelerate x 2: max |weight diff| {diff:.2e}, max |loss diff| {loss_diff:.2e}")
     assert diff <= WORLD_CHANGE_WEIGHT_ATOL, diff
     assert abs(summary["test_accuracy"] - read_json(reference[0] / "summary.json")["test_accuracy"]) <= 0.01
@@ -440,7 +441,7 @@ def test_killed_during_checkpoint_writes_resumes_to_the_same_weights(tmp_path, r
     ref, got = step_rows(reference[0]), step_rows(out)
     assert sorted(got) == list(range(1, TOTAL_STEPS + 1))
     assert all(got[s]["loss"] == ref[s]["loss"] for s in got), f"seed {seed}, kills {history}"
-    expected, weights = final_weights(reference[0]), final_weights(out)
+    expected, weights = final_weights(reference[0], TOTAL_STEPS), final_weights(out, TOTAL_STEPS)
     assert all(torch.equal(expected[k], weights[k]) for k in expected), f"seed {seed}, kills {history}"
 
 
@@ -472,7 +473,7 @@ def check_interrupted_run(reference, out, interrupted_proc, resumed_proc):
     assert f"interrupted at step {resumed_at[1]}: checkpoint saved" in interrupted_proc.stdout
     ref, got = step_rows(reference[0]), step_rows(out)
     assert sorted(got) == list(range(1, TOTAL_STEPS + 1))
-    diff = max_weight_diff(final_weights(reference[0]), final_weights(out))
+    diff = max_weight_diff(final_weights(reference[0], TOTAL_STEPS), final_weights(out, TOTAL_STEPS))
     assert [got[s]["loss"] for s in got] == [ref[s]["loss"] for s in got], f"final weights differ by {diff:.2e}"
     assert diff == 0
 

@@ -14,11 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-import safetensors.torch
 import slurm
-from conftest import PY, ROOT, clean_env, read_json
-
-from toolkit.checkpoint import latest_checkpoint
+from conftest import PY, ROOT, clean_env, final_weights, max_weight_diff, read_json
 
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
 CIFAR = ROOT / "recipes" / "cifar.py"
@@ -42,17 +39,6 @@ def cluster(tmp_path_factory):
     except slurm.ClusterUnavailable as reason:
         print(f"SKIP SLURM test: {reason}")
         pytest.skip(f"no SLURM cluster here: {reason}")
-
-
-def final_weights(out):
-    checkpoint = latest_checkpoint(Path(out) / "checkpoints")
-    assert checkpoint is not None and checkpoint.name == f"step-{STEPS:08d}", checkpoint
-    return safetensors.torch.load_file(checkpoint / "model.safetensors")
-
-
-def max_weight_diff(a, b):
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +90,7 @@ def test_sbatch_trains_on_two_nodes_like_one_process(tmp_path, cluster, referenc
 
     single, single_out = reference
     assert single.wait(timeout=240) == 0, (single_out.parent / "single.log").read_text()[-3000:]
-    diff = max_weight_diff(final_weights(single_out), final_weights(out))
+    diff = max_weight_diff(final_weights(single_out, STEPS), final_weights(out, STEPS))
     print(f"{engine}, {NODES} nodes x {PER_NODE} processes vs 1 process: max |weight diff| {diff:.2e}, "
           f"test accuracy {summary['test_accuracy']} vs {read_json(single_out / 'summary.json')['test_accuracy']}")
     assert diff <= WEIGHT_ATOL, diff
