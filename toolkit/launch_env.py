@@ -103,6 +103,20 @@ def _device(local_rank: int) -> str:
     return f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
 
 
+def _slurm_step(environ: Mapping[str, str]) -> tuple:
+    """(rank, world size, local rank, local world size, node rank, nodes, first host) of an srun task."""
+    world_size = _int(environ, "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", default=1)
+    node_rank = _int(environ, "SLURM_NODEID", default=0)
+    # The step's tasks on this node; SLURM_NTASKS_PER_NODE is the job's, which srun may have narrowed.
+    local_world = (_slurm_tasks_on_node(environ["SLURM_STEP_TASKS_PER_NODE"], node_rank)
+                   if environ.get("SLURM_STEP_TASKS_PER_NODE")
+                   else _int(environ, "SLURM_NTASKS_PER_NODE", default=world_size))
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_NODELIST")
+    return (_int(environ, "SLURM_PROCID"), world_size, _int(environ, "SLURM_LOCALID", default=0), local_world,
+            node_rank, _int(environ, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", default=1),
+            first_slurm_host(nodelist) if nodelist else None)
+
+
 def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> LaunchEnv:
     """Read the launch environment once; see the module docstring for what each launcher sets."""
     environ = os.environ if environ is None else environ
@@ -136,17 +150,8 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
         num_nodes = max(1, world_size // max(1, local_world))
     elif "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ:  # inside `srun`, one task per rank
         launcher = "slurm"
-        rank = _int(environ, "SLURM_PROCID")
-        world_size = _int(environ, "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", default=1)
-        local_rank = _int(environ, "SLURM_LOCALID", default=0)
-        node_rank = _int(environ, "SLURM_NODEID", default=0)
-        # The step's tasks on this node; SLURM_NTASKS_PER_NODE is the job's, which srun may have narrowed.
-        local_world = (_slurm_tasks_on_node(environ["SLURM_STEP_TASKS_PER_NODE"], node_rank)
-                       if environ.get("SLURM_STEP_TASKS_PER_NODE")
-                       else _int(environ, "SLURM_NTASKS_PER_NODE", default=world_size))
-        num_nodes = _int(environ, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", default=1)
-        if master_addr is None and environ.get("SLURM_STEP_NODELIST", environ.get("SLURM_NODELIST")):
-            master_addr = first_slurm_host(environ.get("SLURM_STEP_NODELIST") or environ["SLURM_NODELIST"])
+        rank, world_size, local_rank, local_world, node_rank, num_nodes, first_host = _slurm_step(environ)
+        master_addr = master_addr or first_host
     else:
         launcher = "accelerate" if by_accelerate else "python"
         rank, world_size, local_world, node_rank, num_nodes = 0, 1, 1, 0, 1
