@@ -30,6 +30,9 @@ from toolkit.launch_env import LaunchEnv, read_launch_env
 from toolkit.profiles import Profile, check_profile, load_profile
 
 
+MULTI_NODE_PORT = 29500  # a multi-node profile without a port: torchrun's and accelerate's default
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     command: list[str]
@@ -86,7 +89,7 @@ def _rendezvous(profile: Profile) -> tuple[str, int, list[str]]:
     port = profile.main_process_port
     if port in (None, 0):
         if profile.num_machines > 1:
-            port = 29500
+            port = MULTI_NODE_PORT
         else:
             port = free_port()
             notes.append(f"main_process_port not set: using free local port {port}.")
@@ -143,7 +146,7 @@ def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus:
                    "--machine_rank", str(profile.machine_rank)]
         if profile.num_machines > 1:
             command += ["--main_process_ip", profile.main_process_ip,
-                        "--main_process_port", str(profile.main_process_port or 29500)]
+                        "--main_process_port", str(profile.main_process_port or MULTI_NODE_PORT)]
         if profile.num_processes > 1 and profile.distributed_type in ("MULTI_CPU", "NO") and gpus == 0:
             command.append("--multi_gpu")  # accelerate's torchrun path; the engine makes it a gloo group
             notes.append("MULTI_CPU without mpirun starts one process in accelerate: routed through torchrun.")
@@ -268,7 +271,7 @@ def meet_other_machines(profile: Profile, engine: str, script_and_args: list[str
         num_processes=profile.num_processes, rdzv_backend=profile.rdzv_backend, engine=engine,
         mixed_precision=profile.mixed_precision, torch=torch.__version__.split("+")[0],
         command=shlex.join(script_and_args))
-    address, port = rendezvous.resolve_host(profile.main_process_ip), profile.main_process_port or 29500
+    address, port = rendezvous.resolve_host(profile.main_process_ip), profile.main_process_port or MULTI_NODE_PORT
     if profile.machine_rank == 0:
         rendezvous.check_main_host(profile.main_process_ip)
     print(f"[toolkit] machine {profile.machine_rank} of {profile.num_machines}: meeting the others at "
