@@ -26,8 +26,9 @@ RECIPE = ["--dataset", "synthetic", "--model", "tiny", "--epochs", 1, "--lr", 0.
           "--mixed-precision", "no"]
 GLOBAL_BATCH, STEPS = 128, 39
 # 4 ranks x 32 images vs 1 x 128 differ only in float rounding (a mean of means): measured 1.1e-5 after the
-# 39 steps, under ddp and accelerate alike (1.5e-7 since augmentation is drawn per epoch position). A run that does not average over the right world drifts far:
-# one process at half the global batch ended 0.37 away, another seed 0.42.
+# 39 steps, under ddp and accelerate alike (1.5e-7 since augmentation is drawn per epoch position). A run
+# that does not average over the right world drifts far: one process at half the global batch ended 0.37
+# away, another seed 0.42.
 WEIGHT_ATOL = 1e-3
 
 
