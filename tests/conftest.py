@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,29 @@ def final_weights(out, steps=None):
 def max_weight_diff(a, b):
     assert a.keys() == b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def kill_groups(procs):
+    """SIGKILL each process, its descendants (torchrun starts workers in sessions of their own) and its
+    group (started with start_new_session=True), even when the leader has already exited: a stopped or
+    orphaned worker would otherwise outlive the test."""
+    import psutil
+
+    for proc in procs:
+        try:
+            descendants = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            descendants = []
+        for process in descendants:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
 
 
 def read_json(path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,12 @@ class Hosts:
         return [int(pid) for pid in out.split()]
 
     def remove(self):
+        for host in (0, 1):  # whatever still runs on a host goes with it
+            for pid in self.pids(host) if os.path.exists(f"/run/netns/{self.names[host]}") else []:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         for name in self.names:
             subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
             shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)

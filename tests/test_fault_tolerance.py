@@ -1,15 +1,23 @@
 """A killed worker, a dead peer and a NaN never lose work or hang (real processes, bounded in time)."""
 
 import json
-import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-from conftest import CONFIGS, PY, ROOT, TOOLKIT, clean_env, final_weights, read_json, run
+from conftest import (
+    CONFIGS,
+    PY,
+    ROOT,
+    TOOLKIT,
+    clean_env,
+    final_weights,
+    kill_groups,
+    read_json,
+    run,
+)
 
 from toolkit.checkpoint import latest_checkpoint, verify_checkpoint
 from toolkit.launcher import free_port
@@ -64,8 +72,7 @@ def test_killed_worker_is_restarted_and_ends_with_the_uninterrupted_weights(tmp_
         worker(proc, 1).kill()  # kill -9 one worker mid-epoch, between checkpoints
         assert proc.wait(timeout=300) == 0, (tmp_path / "killed.log").read_text()[-3000:]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_groups([proc])
     log = (tmp_path / "killed.log").read_text()
     assert "[toolkit] restart 1: resuming from the latest checkpoint" in log
     assert "resumed from" in log and read_json(out / "summary.json")["steps"] == 78
@@ -93,9 +100,7 @@ def test_survivor_of_a_dead_peer_exits_within_the_timeout_with_one_line(tmp_path
         code = nodes[0].wait(timeout=timeout + 60)
         detected = time.monotonic() - killed
     finally:
-        for proc in nodes:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+        kill_groups(nodes)  # the frozen peer too: it would stay stopped after the test
     log = (tmp_path / "node0.log").read_text()
     print(f"{fate} peer detected and reported in {detected:.1f} s (timeout {timeout} s)")
     assert code != 0 and detected < timeout + 15, log[-3000:]

@@ -9,7 +9,6 @@ a node whose worker is killed (elastic restart) are each tried for real.
 
 import json
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -17,7 +16,19 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from conftest import ACCELERATE, CONFIGS, PY, ROOT, TOOLKIT, clean_env, final_weights, max_weight_diff, read_json, run
+from conftest import (
+    ACCELERATE,
+    CONFIGS,
+    PY,
+    ROOT,
+    TOOLKIT,
+    clean_env,
+    final_weights,
+    kill_groups,
+    max_weight_diff,
+    read_json,
+    run,
+)
 from netns import HostsUnavailable, make_hosts
 
 CIFAR = ROOT / "recipes" / "cifar.py"
@@ -80,10 +91,7 @@ def finish(procs, timeout):
     try:
         return [proc.wait(timeout=max(1, deadline - time.monotonic())) for proc in procs]
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        kill_groups(procs)
 
 
 def on_both_hosts(hosts, tmp_path, command, timeout=240):
