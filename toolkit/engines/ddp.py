@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,7 @@ class RawDDPEngine(TorchEngine):
         super().__init__(env, **kwargs)
         timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
         self._owns_group = False
+        self._wrapped = []  # weak references to the DDP modules this engine made
         if not dist.is_initialized():
             self._init_group(env, timeout)
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
@@ -76,7 +79,9 @@ class RawDDPEngine(TorchEngine):
         kwargs = {"gradient_as_bucket_view": True}
         if self.device.type == "cuda":
             kwargs.update(device_ids=[self.device.index], output_device=self.device.index)
-        return DistributedDataParallel(model, **kwargs)
+        wrapped = DistributedDataParallel(model, **kwargs)
+        self._wrapped.append(weakref.ref(wrapped))
+        return wrapped
 
     def _no_sync(self, model):
         return model.no_sync() if isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
@@ -88,6 +93,20 @@ class RawDDPEngine(TorchEngine):
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
+            self._release_wrapped_models()
+
+    def _release_wrapped_models(self):
+        """Drop what ties each DDP-wrapped model to the destroyed group (its reducer, logger and group), so
+        the group's gloo threads stop now, while the interpreter is alive. Left to interpreter exit, they
+        abort the process about one run in 70 ("terminate called without an active exception", a known
+        PyTorch teardown race). The unwrapped model stays usable; the DDP wrapper cannot train any more."""
+        for ref in self._wrapped:
+            model = ref()
+            for name in ("logger", "reducer", "process_group"):
+                if model is not None and name in model.__dict__:
+                    delattr(model, name)
+        self._wrapped.clear()
+        gc.collect()
 
     def _all_gather(self, tensor):
         tensor = tensor.contiguous()
