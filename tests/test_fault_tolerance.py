@@ -7,17 +7,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import (
-    CONFIGS,
-    PY,
-    ROOT,
-    TOOLKIT,
-    clean_env,
-    final_weights,
-    kill_groups,
-    read_json,
-    run,
-)
+from conftest import CONFIGS, PY, ROOT, TOOLKIT, clean_env, final_weights, kill_groups, read_json, run
 
 from toolkit.checkpoint import latest_checkpoint, verify_checkpoint
 from toolkit.launcher import free_port

@@ -16,19 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from conftest import (
-    ACCELERATE,
-    CONFIGS,
-    PY,
-    ROOT,
-    TOOLKIT,
-    clean_env,
-    final_weights,
-    kill_groups,
-    max_weight_diff,
-    read_json,
-    run,
-)
+from conftest import (ACCELERATE, CONFIGS, PY, ROOT, TOOLKIT, clean_env, final_weights, kill_groups, max_weight_diff,
+                      read_json, run)
 from netns import HostsUnavailable, make_hosts
 
 CIFAR = ROOT / "recipes" / "cifar.py"

@@ -21,20 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
-    ACCELERATE,
-    CONFIGS,
-    PY,
-    ROOT,
-    SCRIPTS,
-    TOOLKIT,
-    TORCHRUN,
-    clean_env,
-    final_weights,
-    max_weight_diff,
-    read_json,
-    run,
-)
+from conftest import (ACCELERATE, CONFIGS, PY, ROOT, SCRIPTS, TOOLKIT, TORCHRUN, clean_env, final_weights,
+                      max_weight_diff, read_json, run)
 
 from toolkit.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
 from toolkit.launcher import free_port
