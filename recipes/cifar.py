@@ -11,13 +11,15 @@
     python recipes/cifar.py --engine dp                                          # nn.DataParallel
 
 The engine (accelerate, ddp, dp, single) follows from the launcher; nothing below asks which one runs.
---batch-size is per process and per micro-step; the global batch is batch-size x processes x grad-accum.
+--global-batch-size is the images in one optimizer step over all processes, the same under every launcher:
+global batch = processes x --micro-batch-size x gradient accumulation, the accumulation derived. Learning
+rate, weight decay, warm-up, epochs and global batch default to the model's preset (toolkit/presets.py).
 Mixed precision comes from the accelerate profile unless --mixed-precision is given.
 """
 
 import argparse
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -25,13 +27,14 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import toolkit
-from toolkit.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from toolkit.data import MemoryLoader, build_torch_loader, load_data
-from toolkit.errors import RunFailure, UserError
+from toolkit.batching import plan_batches
+from toolkit.data import AUGMENTATIONS, MemoryLoader, build_torch_loader, load_data
+from toolkit.errors import UserError
 from toolkit.models import MODELS, build_model
+from toolkit.presets import apply_preset
 from toolkit.records import RunRecorder
-from toolkit.training import (StopRequest, average_batchnorm_stats, convert_sync_batchnorm, epoch_batches,
-                              evaluate, is_peer_failure, peer_failure_message, resume_position, step_status,
+from toolkit.run_state import RunState, check_loss, peer_failures
+from toolkit.training import (StopRequest, average_batchnorm_stats, convert_sync_batchnorm, epoch_batches, evaluate,
                               warmup_linear_decay)
 
 
@@ -40,12 +43,19 @@ class Config:
     dataset: str = field(default="cifar10", metadata={"help": "cifar10, cifar100, synthetic or hf:NAME_OR_PATH"})
     data_dir: str = field(default="data", metadata={"help": "folder holding (or receiving) the dataset"})
     model: str = field(default="resnet18", metadata={"choices": sorted(MODELS)})
-    epochs: int = field(default=10, metadata={"help": "passes over the training set"})
+    # None below: the model's preset (toolkit/presets.py, each value with its source).
+    global_batch_size: int | None = field(default=None, metadata={"help": "images per optimizer step, all processes"})
+    micro_batch_size: int | None = field(default=None, metadata={"help": "images per process per forward "
+                                         "(caps memory; default: global batch / processes)"})
+    lr: float | None = field(default=None, metadata={"help": "peak learning rate (SGD, Nesterov momentum 0.9); "
+                             "default: the preset's, scaled linearly with the global batch"})
+    weight_decay: float | None = field(default=None, metadata={"help": "L2 penalty on weights"})
+    warmup: float | None = field(default=None, metadata={"help": "fraction of steps warming up, then linear decay"})
+    label_smoothing: float | None = field(default=None, metadata={"help": "cross-entropy label smoothing"})
+    epochs: int | None = field(default=None, metadata={"help": "passes over the training set"})
     max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
-    batch_size: int = field(default=128, metadata={"help": "images per process per micro-step"})
-    lr: float = field(default=0.2, metadata={"help": "peak learning rate (SGD, Nesterov momentum 0.9)"})
-    weight_decay: float = field(default=5e-4, metadata={"help": "L2 penalty per step"})
-    grad_accum: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})
+    augment: str = field(default="crop-flip", metadata={"choices": list(AUGMENTATIONS),
+                         "help": "training augmentation (flips are wrong for digits and text)"})
     sync_bn: bool = field(default=False, metadata={"help": "synchronise BatchNorm statistics across ranks"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model"})
     channels_last: bool = field(default=False, metadata={"help": "NHWC memory format (faster on tensor cores)"})
@@ -61,29 +71,31 @@ class Config:
     timeout: float = field(default=300.0, metadata={"help": "seconds a collective waits for a silent peer"})
     skip_nonfinite: bool = field(default=False, metadata={"help": "skip steps whose loss is NaN/inf, not stop"})
     debug_nan_step: int | None = field(default=None, metadata={"help": argparse.SUPPRESS})  # tests inject a NaN
+    lr_rule: str = field(default="", metadata={"help": argparse.SUPPRESS})  # set by apply_preset
 
 
 def check_config(cfg: Config):
-    for name in ("epochs", "batch_size", "grad_accum", "keep", "eval_every"):
+    for name in ("epochs", "keep", "eval_every"):
         if getattr(cfg, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(cfg, name)}.")
     if cfg.max_steps is not None and cfg.max_steps < 1 or cfg.checkpoint_every < 0 or cfg.lr <= 0 or cfg.timeout <= 0:
         raise UserError("--max-steps must be at least 1, --checkpoint-every at least 0, --lr and --timeout positive.")
+    if cfg.weight_decay < 0 or not 0 <= cfg.warmup < 1 or not 0 <= cfg.label_smoothing < 1:
+        raise UserError("--weight-decay must be at least 0, --warmup and --label-smoothing in [0, 1).")
     if cfg.resume not in (None, "auto") and not Path(cfg.resume).exists():
         raise UserError(f"--resume {cfg.resume}: that path does not exist; pass a checkpoint folder or 'auto'.")
 
 
-def build_loaders(cfg, data, accelerator):
+def build_loaders(cfg, data, accelerator, micro_batch: int):
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     # Evaluation: disjoint shards per rank, summed once at the end (exact for any world or batch size).
-    test = MemoryLoader(data.test_x, data.test_y, cfg.batch_size, rank=rank, world_size=world, train=False,
-                        device=device)
-    if cfg.loader == "memory":
-        train = MemoryLoader(data.train_x, data.train_y, cfg.batch_size, rank=rank, world_size=world,
-                             seed=cfg.seed, device=device)
+    test = MemoryLoader(data.test_x, data.test_y, micro_batch, rank=rank, world_size=world, train=False, device=device)
+    if cfg.loader == "memory":  # the same images in every optimizer step, whatever the world size
+        train = MemoryLoader(data.train_x, data.train_y, micro_batch, rank=rank, world_size=world, seed=cfg.seed,
+                             device=device, augment=cfg.augment)
     else:
-        train = accelerator.prepare(build_torch_loader(data.train_x, data.train_y, cfg.batch_size, train=True,
-                                                       seed=cfg.seed))
+        train = accelerator.prepare(build_torch_loader(data.train_x, data.train_y, micro_batch, train=True,
+                                                       seed=cfg.seed, augment=cfg.augment))
     return train, test
 
 
@@ -102,125 +114,69 @@ def build_model_and_optimizer(cfg, num_classes, accelerator):
     return model, optimizer, bn_fallback
 
 
-@dataclass
-class Run:
-    """What the loop updates: the objects it trains, where it is, and how fast it went."""
-
-    cfg: Config
-    accelerator: object
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    samples_per_batch: int  # images in one micro-step over all ranks
-    micro_per_epoch: int  # micro-steps per epoch, whole optimizer steps only
-    total_steps: int  # optimizer steps in the whole run
-    step: int = 0  # optimizer steps done
-    epoch: int = 0
-    batch: int = 0  # micro-steps of `epoch` done (always a whole number of optimizer steps)
-    images: int = 0
-    seconds: float = 0.0
-
-    @property
-    def checkpoints(self) -> Path:
-        return Path(self.cfg.output_dir) / "checkpoints"
-
-    def save(self):
-        if self.accelerator.is_main_process:
-            state = {"step": self.step, "epoch": self.epoch, "samples_in_epoch": self.batch * self.samples_per_batch,
-                     "world_size": self.accelerator.num_processes, "engine": self.accelerator.name,
-                     "config": asdict(self.cfg)}
-            save_checkpoint(self.checkpoints, self.step, model=self.accelerator.unwrap_model(self.model),
-                            optimizer=self.optimizer, scheduler=self.scheduler, state=state, keep=self.cfg.keep,
-                            scaler=getattr(self.accelerator, "scaler", None))
-
-    def restore(self):
-        """Continue from --resume (or from the latest checkpoint after a torchrun/toolkit launch restart)."""
-        cfg, accelerator = self.cfg, self.accelerator
-        resume = cfg.resume or ("auto" if accelerator.env.restart_count else None)
-        if accelerator.env.restart_count:
-            accelerator.print(f"[toolkit] restart {accelerator.env.restart_count}: resuming from the latest checkpoint")
-        path = latest_checkpoint(self.checkpoints) if resume == "auto" else resume and Path(resume)
-        if path is None:
-            return
-        state = load_checkpoint(path, model=accelerator.unwrap_model(self.model), optimizer=self.optimizer,
-                                scheduler=self.scheduler, scaler=getattr(accelerator, "scaler", None))
-        if state["config"]["model"] != cfg.model:
-            raise UserError(f"{path} holds a {state['config']['model']} model, not {cfg.model}; "
-                            "pick another --output-dir.")
-        accelerator.print(f"resumed from {path} (step {state['step']})")
-        self.step, self.epoch, steps_done = resume_position(state, self.samples_per_batch * cfg.grad_accum, accelerator)
-        self.batch = steps_done * cfg.grad_accum
-
-
-def train_epoch(run: Run, loader, records, progress, stop: StopRequest) -> bool:
+def train_epoch(run: RunState, cfg: Config, loader, records, progress, stop: StopRequest) -> bool:
     """Train from (run.epoch, run.batch) to the epoch's end or the last step; True when asked to stop."""
-    cfg, accelerator, model, optimizer = run.cfg, run.accelerator, run.model, run.optimizer
-    tick, stopping = time.perf_counter(), False
+    accelerator, model, optimizer = run.accelerator, run.model, run.optimizer
+    run.started, stopping = time.perf_counter(), False
     for batch, (images, labels) in enumerate(epoch_batches(loader, run.epoch, run.batch), run.batch):
         if batch >= run.micro_per_epoch or run.step >= run.total_steps:
             break
         if cfg.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         with accelerator.accumulate(model):
-            loss = F.cross_entropy(model(images), labels)
+            loss = F.cross_entropy(model(images), labels, label_smoothing=cfg.label_smoothing)
             if run.step + 1 == cfg.debug_nan_step and accelerator.is_main_process:
                 loss = loss * float("nan")
-            losses, bad_ranks, stopping = step_status(loss, stop, accelerator)
-            if bad_ranks and not cfg.skip_nonfinite:
-                raise RunFailure(f"the loss is not finite at step {run.step + 1} on rank(s) {bad_ranks}; stopped "
-                                 f"with the checkpoints of step {run.step} and before intact (--skip-nonfinite skips such steps).")
+            losses, bad_ranks, stopping = check_loss(loss, run, stop, cfg.skip_nonfinite)
             if not bad_ranks:
                 accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        run.images += run.samples_per_batch
-        if not accelerator.sync_gradients:
+        if not run.advance(batch):  # a micro-step inside an accumulation
             continue
-        run.scheduler.step()
-        run.step, run.batch = run.step + 1, batch + 1
-        rate = run.images / (run.seconds + time.perf_counter() - tick)
-        mean_loss, lr = losses.mean().item(), run.scheduler.get_last_lr()[0]
-        records.log("step", step=run.step, epoch=run.epoch, loss=mean_loss, lr=lr, images_per_s=round(rate, 1),
-                    **({"skipped_ranks": bad_ranks} if bad_ranks else {}))
+        rate, mean_loss, lr = run.images_per_second(), losses.mean().item(), run.scheduler.get_last_lr()[0]
+        records.log("step", step=run.step, epoch=run.epoch, loss=mean_loss, lr=lr, images=run.images,
+                    images_per_s=round(rate, 1), **({"skipped_ranks": bad_ranks} if bad_ranks else {}))
         progress.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.3g}", img_s=f"{rate:.0f}", refresh=False)
         progress.update()
         if stopping or cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0:
             run.save()
         if stopping:
             break
-    run.seconds += time.perf_counter() - tick
+    run.seconds += time.perf_counter() - run.started
     return stopping
 
 
 def main(argv=None):
-    cfg = toolkit.parse_config(Config, argv, description=__doc__.splitlines()[0])
+    cfg = apply_preset(toolkit.parse_config(Config, argv, description=__doc__.splitlines()[0]))
     check_config(cfg)
-    accelerator = toolkit.build_accelerator(cfg.engine, mixed_precision=cfg.mixed_precision,
-                                            gradient_accumulation_steps=cfg.grad_accum, timeout=cfg.timeout)
+    accelerator = toolkit.build_accelerator(cfg.engine, mixed_precision=cfg.mixed_precision, timeout=cfg.timeout)
+    plan = plan_batches(cfg.global_batch_size, accelerator.num_processes, cfg.micro_batch_size)
+    accelerator.gradient_accumulation_steps = plan.accumulation
+    cfg = replace(cfg, micro_batch_size=plan.micro_batch)  # recorded as it ran
     accelerator.set_seed(cfg.seed)
     with accelerator.main_process_first():  # one download, not one per rank
         data = load_data(cfg.dataset, cfg.data_dir, cfg.seed)
-    train_loader, test_loader = build_loaders(cfg, data, accelerator)
+    train_loader, test_loader = build_loaders(cfg, data, accelerator, plan.micro_batch)
     model, optimizer, bn_fallback = build_model_and_optimizer(cfg, data.num_classes, accelerator)
-    micro_per_epoch = len(train_loader) // cfg.grad_accum * cfg.grad_accum
-    total_steps = min(cfg.epochs * micro_per_epoch // cfg.grad_accum, cfg.max_steps or float("inf"))
+    micro_per_epoch = len(train_loader) // plan.accumulation * plan.accumulation
+    total_steps = min(cfg.epochs * micro_per_epoch // plan.accumulation, cfg.max_steps or float("inf"))
     # Stepped by hand once per optimizer step (not prepared: Accelerate would tick it once per process).
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_linear_decay(total_steps))
-    run = Run(cfg, accelerator, model, optimizer, scheduler, cfg.batch_size * accelerator.num_processes,
-              micro_per_epoch, total_steps)
-    run.restore()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_linear_decay(total_steps, cfg.warmup))
+    run = RunState(accelerator, model, optimizer, scheduler, plan, total_steps, micro_per_epoch, cfg.output_dir,
+                   asdict(cfg), cfg.keep)
+    run.restore(cfg.resume)
     accelerator.print(f"{cfg.model} on {data.name}: {len(data.train_x)} train / {len(data.test_x)} test images; "
-                      f"engine {accelerator.name} x {accelerator.num_processes} process(es); batch {cfg.batch_size} "
-                      f"per process, {run.samples_per_batch * cfg.grad_accum} global; {total_steps} steps; "
+                      f"engine {accelerator.name}; global batch {plan}; {total_steps} steps; {cfg.lr_rule}; "
                       f"mixed precision {accelerator.mixed_precision}")
 
     records = RunRecorder(cfg.output_dir, active=accelerator.is_main_process)
     progress = tqdm(total=total_steps, initial=run.step, disable=not accelerator.is_main_process, dynamic_ncols=True)
     metrics = {}
-    with StopRequest() as stop:
+    with StopRequest() as stop, peer_failures(run, cfg.timeout):
         try:
             while run.epoch < cfg.epochs and run.step < total_steps:
-                if train_epoch(run, train_loader, records, progress, stop):
+                if train_epoch(run, cfg, train_loader, records, progress, stop):
                     accelerator.print(f"interrupted at step {run.step}: checkpoint saved; resume with --resume auto")
                     raise SystemExit(130)
                 if run.batch >= micro_per_epoch:  # the epoch is complete: the next one starts at its beginning
@@ -230,13 +186,9 @@ def main(argv=None):
                     if bn_fallback:
                         average_batchnorm_stats(model, accelerator)
                     metrics = evaluate(model, test_loader, accelerator)
-                    records.log("epoch", step=run.step, epoch=run.epoch, test_accuracy=metrics["accuracy"],
-                                test_loss=metrics["loss"], test_count=metrics["count"])
+                    records.log("epoch", step=run.step, epoch=run.epoch, images=run.images,
+                                test_accuracy=metrics["accuracy"], test_loss=metrics["loss"], test_count=metrics["count"])
                     accelerator.print(f"epoch {run.epoch}: test accuracy {metrics['accuracy']:.4f}")
-        except Exception as error:
-            if is_peer_failure(error):
-                raise RunFailure(peer_failure_message(error, accelerator, run.step, cfg.timeout)) from None
-            raise
         finally:
             progress.close()
     if not metrics:  # resumed a finished run: nothing trained, the model still gets its report
@@ -244,7 +196,8 @@ def main(argv=None):
     summary = records.summary(
         test_accuracy=metrics["accuracy"], test_loss=metrics["loss"], test_count=metrics["count"], steps=run.step,
         images_per_s=round(run.images / run.seconds, 1) if run.seconds else None, engine=accelerator.name,
-        world_size=accelerator.num_processes, mixed_precision=accelerator.mixed_precision, config=asdict(cfg))
+        world_size=accelerator.num_processes, global_batch_size=plan.global_batch, micro_batch_size=plan.micro_batch,
+        gradient_accumulation=plan.accumulation, mixed_precision=accelerator.mixed_precision, config=asdict(cfg))
     records.close()
     accelerator.print(f"done: test accuracy {summary['test_accuracy']}, {summary['images_per_s']} images/s")
     accelerator.end_training()

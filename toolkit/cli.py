@@ -3,6 +3,7 @@
     toolkit launch --config_file accelerate_configs/multi_gpu.yaml [--engine ddp] script.py [args ...]
     toolkit parity A.yaml B.yaml [--engine-a E] [--engine-b E] [--steps K] -- script.py [args ...]
     toolkit env [--config_file accelerate_configs/cpu.yaml] [--json]
+    toolkit compare RUN_DIR [RUN_DIR ...] [--plot compare.png]
 """
 
 from __future__ import annotations
@@ -75,6 +76,13 @@ def _env_parser(sub):
     p.add_argument("--json", action="store_true", help="machine-readable output with stable keys")
 
 
+def _compare_parser(sub):
+    p = sub.add_parser("compare", help="overlay runs' loss and accuracy against images seen (PNG) and print a table "
+                       "of engine, processes, global batch, micro-batch x accumulation, accuracy, images/s")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="--output-dir of finished recipe runs")
+    p.add_argument("--plot", default="compare.png", help="where to write the PNG (default: compare.png)")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit 2, like every other user error here
         self.exit(2, f"error: {message} (see `toolkit --help`)\n")
@@ -86,6 +94,7 @@ def main(argv=None) -> int:
     _launch_parser(sub)
     _parity_parser(sub)
     _env_parser(sub)
+    _compare_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "launch":
@@ -100,6 +109,10 @@ def main(argv=None) -> int:
             from toolkit.envinfo import run_env
 
             return run_env(args)
+        if args.command == "compare":
+            from toolkit.compare import run_compare
+
+            return run_compare(args)
     except RunFailure as error:  # UserError included: one sentence, its own exit code
         return report(error)
     except KeyboardInterrupt:

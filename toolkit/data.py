@@ -1,6 +1,6 @@
 """Image datasets held in memory as uint8 N x 3 x 32 x 32 tensors, and two loaders with the same
-augmentation (random 32-crop of the 4-pixel zero-padded image, horizontal flip p=0.5) and
-normalisation: `MemoryLoader` (whole dataset on the device, world-size-independent sharding) and
+augmentation (AUGMENTATIONS: random 32-crop of the 4-pixel zero-padded image, then horizontal flip p=0.5
+for "crop-flip"; flips are wrong for digits and text, so "crop" and "none" exist) and normalisation: `MemoryLoader` (whole dataset on the device, world-size-independent sharding) and
 `build_torch_loader` (a plain DataLoader with torchvision transforms).
 
     >>> data = load_data("synthetic", data_dir="data", seed=0)
@@ -26,6 +26,7 @@ CIFAR_MEAN = (0.4914, 0.4822, 0.4465)  # per-channel mean of the CIFAR-10 traini
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
 PAD = 4  # pixels of zero padding before the random 32x32 crop
 DATASET_CHOICES = "cifar10, cifar100, synthetic or hf:NAME_OR_PATH"
+AUGMENTATIONS = ("crop-flip", "crop", "none")
 
 _CIFAR = {  # URL and md5 as in torchvision.datasets.CIFAR10 / CIFAR100
     "cifar10": dict(folder="cifar-10-batches-py", train=[f"data_batch_{i}" for i in range(1, 6)],
@@ -158,19 +159,26 @@ def normalize(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32).mul_(1.0 / 255).sub_(mean).div_(std)
 
 
-def augment_batch(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def augment_batch(x: torch.Tensor, generator: torch.Generator, augment: str = "crop-flip") -> torch.Tensor:
     """Random 32-crop with 4-pixel zero padding + horizontal flip (p=0.5) of a uint8 batch, on
     x's device, e.g. `augment_batch(x, torch.Generator().manual_seed(0))`."""
-    dy, dx, flip = _draw_augment(len(x), generator, x.device)
+    dy, dx, flip = _draw_augment(len(x), generator, x.device, augment)
     return _crop_flip(x, dy, dx, flip)
 
 
-def _draw_augment(n: int, generator: torch.Generator, device) -> tuple[torch.Tensor, ...]:
+def _draw_augment(n: int, generator: torch.Generator, device, augment: str = "crop-flip") -> tuple[torch.Tensor, ...]:
     # Drawn on the generator's device and then moved, so a CPU generator gives the same
-    # crops whether the images live on the CPU or a GPU.
+    # crops whether the images live on the CPU or a GPU. All three are drawn whatever `augment` says, so
+    # "crop" takes exactly the crops of "crop-flip".
+    if augment not in AUGMENTATIONS:
+        raise UserError(f"Unknown augmentation {augment!r}; choose one of {', '.join(AUGMENTATIONS)} with --augment.")
     dy = torch.randint(0, 2 * PAD + 1, (n,), generator=generator, device=generator.device)
     dx = torch.randint(0, 2 * PAD + 1, (n,), generator=generator, device=generator.device)
     flip = torch.rand(n, generator=generator, device=generator.device) < 0.5
+    if augment != "crop-flip":
+        flip.zero_()
+    if augment == "none":  # the unshifted window of the padded image is the image itself
+        dy.fill_(PAD), dx.fill_(PAD)
     return dy.to(device), dx.to(device), flip.to(device)
 
 
@@ -230,7 +238,8 @@ class MemoryLoader:
     """
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, *, rank: int = 0,
-                 world_size: int = 1, seed: int = 0, train: bool = True, device="cpu", drop_last=None):
+                 world_size: int = 1, seed: int = 0, train: bool = True, device="cpu", drop_last=None,
+                 augment: str = "crop-flip"):
         if images.dtype != torch.uint8 or images.ndim != 4 or len(images) != len(labels) or not 0 <= rank < world_size:
             raise ValueError(f"expected uint8 N x C x H x W images, N labels and 0 <= rank < world_size, got "
                              f"{images.dtype} {tuple(images.shape)}, {tuple(labels.shape)}, {rank}, {world_size}")
@@ -238,7 +247,7 @@ class MemoryLoader:
             raise UserError(f"The batch size must be at least 1, not {batch_size}; fix --batch-size.")
         self.images, self.labels = images.to(device), labels.to(device)
         self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
-        self.train, self.device = train, torch.device(device)
+        self.train, self.device, self.augment = train, torch.device(device), augment
         self.drop_last = train if drop_last is None else drop_last
         self.epoch, self._start_batch = 0, 0
         n, global_batch = len(images), world_size * batch_size
@@ -276,7 +285,7 @@ class MemoryLoader:
         # The permutation is drawn on the CPU so it is identical on every device type.
         generator = torch.Generator().manual_seed(_mix(self.seed, self.epoch))
         perm = torch.randperm(len(self.images), generator=generator)
-        augment = _draw_augment(len(perm), generator, self.device)  # one draw per position in the epoch
+        augment = _draw_augment(len(perm), generator, self.device, self.augment)  # one per position in the epoch
         global_batch = self.world_size * self.batch_size
         for step in range(start, self._batches):
             # This rank's positions in the epoch order: every W-th of global step `step`'s.
@@ -310,7 +319,7 @@ class TensorImageDataset(torch.utils.data.Dataset):
 
 
 def build_torch_loader(images: torch.Tensor, labels: torch.Tensor, batch_size: int, *, train: bool,
-                       seed: int, num_workers: int = 0) -> torch.utils.data.DataLoader:
+                       seed: int, num_workers: int = 0, augment: str = "crop-flip") -> torch.utils.data.DataLoader:
     """A standard DataLoader with the same augmentation and normalisation as MemoryLoader, e.g.
     `build_torch_loader(data.train_x, data.train_y, 64, train=True, seed=0)`.
 
@@ -319,8 +328,9 @@ def build_torch_loader(images: torch.Tensor, labels: torch.Tensor, batch_size: i
     """
     from torchvision.transforms import v2
 
-    augment = [v2.RandomCrop(32, padding=PAD), v2.RandomHorizontalFlip()] if train else []
-    transform = v2.Compose(augment + [v2.ToDtype(torch.float32, scale=True), v2.Normalize(CIFAR_MEAN, CIFAR_STD)])
+    steps = {"crop-flip": [v2.RandomCrop(32, padding=PAD), v2.RandomHorizontalFlip()],
+             "crop": [v2.RandomCrop(32, padding=PAD)], "none": []}[augment] if train else []
+    transform = v2.Compose(steps + [v2.ToDtype(torch.float32, scale=True), v2.Normalize(CIFAR_MEAN, CIFAR_STD)])
     return torch.utils.data.DataLoader(
         TensorImageDataset(images, labels, transform), batch_size=batch_size, shuffle=train,
         drop_last=train, num_workers=num_workers, generator=torch.Generator().manual_seed(seed),
