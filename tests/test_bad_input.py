@@ -106,9 +106,13 @@ def test_port_in_use(tmp_path, capsys, monkeypatch):
 
 
 RECIPE_CASES = {  # name -> (flags given tmp_path, words the sentence holds)
-    "batch size 0": (lambda t: ["--batch-size", "0"], "--batch-size must be at least 1"),
+    "global batch 0": (lambda t: ["--global-batch-size", "0"], "--global-batch-size and --micro-batch-size must be at least 1, not 0"),
+    "global batch that does not split": (lambda t: ["--global-batch-size", "63", "--micro-batch-size", "2"],
+                                         "--micro-batch-size 2 does not divide the 63 images each of the 1 process(es)"),
     "epochs 0": (lambda t: ["--epochs", "0"], "--epochs must be at least 1"),
-    "grad accum 0": (lambda t: ["--grad-accum", "0"], "--grad-accum must be at least 1"),
+    "micro batch 0": (lambda t: ["--micro-batch-size", "0"], "must be at least 1, not 64 and 0"),
+    "warmup of 1": (lambda t: ["--warmup", "1"], "--warmup and --label-smoothing in [0, 1)"),
+    "unknown augmentation": (lambda t: ["--augment", "mixup"], "invalid choice: 'mixup'"),
     "keep 0": (lambda t: ["--keep", "0"], "--keep must be at least 1"),
     "negative lr": (lambda t: ["--lr", "-1"], "--lr and --timeout positive"),
     "zero timeout": (lambda t: ["--timeout", "0"], "--lr and --timeout positive"),
@@ -121,7 +125,7 @@ RECIPE_CASES = {  # name -> (flags given tmp_path, words the sentence holds)
     "resume path that does not exist": (lambda t: ["--resume", str(t / "nope")], "does not exist"),
     "checkpoint from a different model": (lambda t: ["--resume", other_model_checkpoint(t)], "model"),
     "fp16 on CPU": (lambda t: ["--mixed-precision", "fp16"], "fp16 mixed precision needs a CUDA device"),
-    "batch larger than the training set": (lambda t: ["--batch-size", "100000"], "fewer than one global batch"),
+    "batch larger than the training set": (lambda t: ["--global-batch-size", "100000"], "fewer than one global batch"),
     "unknown model": (lambda t: ["--model", "vit"], "invalid choice: 'vit'"),
     "unknown engine": (lambda t: ["--engine", "horovod"], "invalid choice: 'horovod'"),
     "unknown loader": (lambda t: ["--loader", "ffcv"], "invalid choice: 'ffcv'"),
@@ -149,7 +153,7 @@ def test_there_are_at_least_25_cases():
 
 
 @pytest.mark.parametrize("command", [
-    [PY, "recipes/cifar.py", "--dataset", "synthetic", "--model", "tiny", "--batch-size", "0"],
+    [PY, "recipes/cifar.py", "--dataset", "synthetic", "--model", "tiny", "--global-batch-size", "0"],
     TOOLKIT + ["launch", "--config_file", "nope.yaml", "train.py"],
 ])
 def test_real_processes_print_one_line_and_exit_2(command):

@@ -14,7 +14,7 @@ from toolkit.launcher import free_port
 
 CIFAR = ROOT / "recipes" / "cifar.py"
 # 2 ranks x batch 64 on the synthetic set: 39 steps per epoch, 78 in all; a checkpoint every 5 steps.
-FLAGS = ["--dataset", "synthetic", "--model", "tiny", "--epochs", 2, "--lr", 0.05, "--batch-size", 64,
+FLAGS = ["--dataset", "synthetic", "--model", "tiny", "--epochs", 2, "--lr", 0.05, "--global-batch-size", 128,
          "--checkpoint-every", 5]
 
 

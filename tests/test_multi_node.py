@@ -48,7 +48,7 @@ def hosts():
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("one-host") / "run"
-    run([PY, CIFAR, *FLAGS, "--batch-size", PER_RANK * WORLD, "--output-dir", out], timeout=240)
+    run([PY, CIFAR, *FLAGS, "--global-batch-size", PER_RANK * WORLD, "--output-dir", out], timeout=240)
     return out
 
 
@@ -105,7 +105,7 @@ def test_two_hosts_end_with_the_one_host_weights(hosts, reference, tmp_path, lau
     out = tmp_path / "run"
 
     def command(rank):
-        recipe = [CIFAR, *FLAGS, "--batch-size", PER_RANK, "--output-dir", out]
+        recipe = [CIFAR, *FLAGS, "--global-batch-size", PER_RANK * WORLD, "--output-dir", out]
         if launcher == "accelerate":
             return ACCELERATE + ["--config_file", MULTI_NODE, "--machine_rank", rank, *recipe]
         return toolkit_launch(MULTI_NODE, rank, *recipe)
@@ -170,7 +170,7 @@ def test_c10d_node_whose_worker_is_killed_rejoins_and_resumes(hosts, reference, 
     c10d = profile_copy(tmp_path, "c10d.yaml", rdzv_backend="c10d")
     out = tmp_path / "run"
     logs = [tmp_path / f"host{rank}.log" for rank in (0, 1)]
-    recipe = [CIFAR, *FLAGS, "--batch-size", PER_RANK, "--output-dir", out]
+    recipe = [CIFAR, *FLAGS, "--global-batch-size", PER_RANK * WORLD, "--output-dir", out]
     procs = [start_on(hosts, rank, toolkit_launch(c10d, rank, "--max_restarts", 1, *recipe), logs[rank])
              for rank in (0, 1)]
     try:

@@ -118,7 +118,7 @@ def check_resumed_like_reference(out, reference, resumed_at):
 def reference(tmp_path_factory):
     """One uninterrupted process at batch 128, keeping a checkpoint every 7 steps."""
     out = tmp_path_factory.mktemp("reference") / "single"
-    proc = run([PY, CIFAR, *SYNTHETIC, "--batch-size", GLOBAL_BATCH, *EVERY_7, "--output-dir", out], timeout=240)
+    proc = run([PY, CIFAR, *SYNTHETIC, "--global-batch-size", GLOBAL_BATCH, *EVERY_7, "--output-dir", out], timeout=240)
     return out, proc
 
 
@@ -132,7 +132,7 @@ def two_rank_run(folder, engine):
     out, writes = folder / engine, folder / "summary_writes.txt"
     launcher = (TORCHRUN + ["--master_port", free_port()] if engine == "ddp"
                 else ACCELERATE + ["--config_file", CONFIGS / "cpu.yaml"])
-    proc = run(launcher + [RECORD_WRITES, CIFAR, *SYNTHETIC, "--batch-size", GLOBAL_BATCH // 2, "--engine", engine,
+    proc = run(launcher + [RECORD_WRITES, CIFAR, *SYNTHETIC, "--global-batch-size", GLOBAL_BATCH, "--engine", engine,
                            *EVERY_7, "--output-dir", out], timeout=300, SUMMARY_WRITES_LOG=writes)
     return out, proc, writes
 
@@ -141,7 +141,7 @@ def two_rank_run(folder, engine):
 
 def test_bad_flags_are_one_line_and_exit_2(tmp_path):
     cases = {  # flag -> words the one line must contain
-        ("--batch-size", 0): ["--batch-size", "0"],
+        ("--global-batch-size", 0): ["--global-batch-size", "0"],
         ("--model", "nope"): ["--model", "nope", "tiny"],
         ("--dataset", "nope"): ["nope", "synthetic", "--dataset"],
         ("--resume", "/nonexistent/path"): ["/nonexistent/path", "does not exist"],
@@ -183,7 +183,7 @@ def test_one_process_learns_synthetic_data(reference):
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                             check=True).stdout.strip()
     assert summary["git_commit"] == commit and summary["versions"]["torch"] == version("torch")
-    assert summary["config"]["batch_size"] == GLOBAL_BATCH and summary["mixed_precision"] == "no"
+    assert summary["config"]["global_batch_size"] == GLOBAL_BATCH and summary["mixed_precision"] == "no"
     assert summary["images_per_s"] > 0 and summary["wall_time_s"] > 0 and summary["hardware"]["cpus"] >= 1
     assert sorted(step_rows(out)) == list(range(1, TOTAL_STEPS + 1))
     steps_csv = (out / "steps.csv").read_text().splitlines()
@@ -238,7 +238,7 @@ def test_cifar10_folder_with_odd_test_set_counts_every_image_once_on_two_ranks(t
     # Batch 5 per rank: the ranks' test shards (9 and 8 images) end in partial batches of 4 and 3.
     proc = run(TOOLKIT + ["launch", "--config_file", CONFIGS / "cpu.yaml", "--engine", "ddp", CIFAR,
                           "--dataset", "cifar10", "--data-dir", tmp_path / "data", "--model", "tiny", "--epochs", 2,
-                          "--batch-size", 5, "--lr", 0.05, "--output-dir", out], timeout=300)
+                          "--global-batch-size", 10, "--lr", 0.05, "--output-dir", out], timeout=300)
     summary = read_json(out / "summary.json")
     assert (summary["engine"], summary["world_size"], summary["test_count"]) == ("ddp", 2, 17)
     assert summary["steps"] == 2 * 1000 // 10
@@ -269,7 +269,7 @@ def test_parquet_dataset_trains_in_one_process(tmp_path):
             str(folder / f"{split}.parquet"))
     out = tmp_path / "out"
     run([PY, CIFAR, "--dataset", f"hf:{folder}", "--data-dir", tmp_path / "data", "--model", "tiny", "--epochs", 3,
-         "--batch-size", 32, "--lr", 0.05, "--loader", "torch", "--channels-last", "--output-dir", out], timeout=240)
+         "--global-batch-size", 32, "--lr", 0.05, "--loader", "torch", "--channels-last", "--output-dir", out], timeout=240)
     summary = read_json(out / "summary.json")
     assert summary["test_count"] == 101 and summary["steps"] == 3 * (1200 // 32)
     print(f"parquet: test accuracy {summary['test_accuracy']}")  # measured 0.78 with --loader torch (memory: 0.81)
@@ -289,7 +289,7 @@ def test_resume_mid_epoch_equals_the_uninterrupted_run(tmp_path, reference):
     out = tmp_path / "resumed"
     shutil.copytree(ref_out / "checkpoints" / "step-00000049", out / "checkpoints" / "step-00000049")
     (out / "checkpoints" / "latest").write_text("step-00000049\n")
-    proc = run([PY, CIFAR, *SYNTHETIC, "--batch-size", GLOBAL_BATCH, *EVERY_7, "--output-dir", out,
+    proc = run([PY, CIFAR, *SYNTHETIC, "--global-batch-size", GLOBAL_BATCH, *EVERY_7, "--output-dir", out,
                 "--resume", "auto"], timeout=240)
     assert f"resumed from {out / 'checkpoints' / 'step-00000049'} (step 49)" in proc.stdout
     ref, got = step_rows(ref_out), step_rows(out)
@@ -316,7 +316,7 @@ def test_ddp_checkpoint_resumes_on_one_process_under_single_and_dp(tmp_path, ref
     checkpoint = ddp_out / "checkpoints" / "step-00000021"
     engines = ["single", "dp"]
     results = run_together(
-        [[PY, CIFAR, *SYNTHETIC, "--batch-size", GLOBAL_BATCH, "--engine", e, *EVERY_7, "--output-dir", tmp_path / e,
+        [[PY, CIFAR, *SYNTHETIC, "--global-batch-size", GLOBAL_BATCH, "--engine", e, *EVERY_7, "--output-dir", tmp_path / e,
           "--resume", checkpoint] for e in engines], [tmp_path / e for e in engines])
     expected = final_weights(reference[0], TOTAL_STEPS)
     finals = {}
@@ -340,8 +340,8 @@ def test_ddp_checkpoint_resumes_on_one_process_under_single_and_dp(tmp_path, ref
 def test_one_process_checkpoint_resumes_on_two_accelerate_ranks(tmp_path, reference):
     checkpoint = reference[0] / "checkpoints" / "step-00000035"
     out = tmp_path / "accelerate"
-    proc = run(ACCELERATE + ["--config_file", CONFIGS / "cpu.yaml", CIFAR, *SYNTHETIC, "--batch-size",
-                             GLOBAL_BATCH // 2, *EVERY_7, "--output-dir", out, "--resume", checkpoint], timeout=300)
+    proc = run(ACCELERATE + ["--config_file", CONFIGS / "cpu.yaml", CIFAR, *SYNTHETIC, "--global-batch-size",
+                             GLOBAL_BATCH, *EVERY_7, "--output-dir", out, "--resume", checkpoint], timeout=300)
     assert "[toolkit] resuming a 1-process checkpoint on 2 process(es)" in proc.stdout
     summary = read_json(out / "summary.json")
     assert (summary["engine"], summary["world_size"], summary["steps"]) == ("accelerate", 2, TOTAL_STEPS)
@@ -389,7 +389,7 @@ def test_killed_during_checkpoint_writes_resumes_to_the_same_weights(tmp_path, r
     group, two of them inside a checkpoint write, ends with the uninterrupted run's losses and weights."""
     out = tmp_path / "killed"
     checkpoints = out / "checkpoints"
-    cmd = [str(c) for c in [PY, CIFAR, *SYNTHETIC, "--batch-size", GLOBAL_BATCH, "--checkpoint-every", 1,
+    cmd = [str(c) for c in [PY, CIFAR, *SYNTHETIC, "--global-batch-size", GLOBAL_BATCH, "--checkpoint-every", 1,
                             "--output-dir", out, "--resume", "auto"]]
     seed = random.randrange(2**32)
     rng = random.Random(seed)
@@ -447,7 +447,7 @@ def interrupted(tmp_path_factory):
     the two resumed ones, run side by side."""
     folder = tmp_path_factory.mktemp("interrupted")
     moments = ["loss", "scheduler"]
-    flags = [*SYNTHETIC, "--batch-size", GLOBAL_BATCH, *EVERY_7]
+    flags = [*SYNTHETIC, "--global-batch-size", GLOBAL_BATCH, *EVERY_7]
     first = run_together([[PY, SCRIPTS / "interrupt_at.py", m, 12, CIFAR, *flags, "--output-dir", folder / m]
                           for m in moments], [folder / f"{m}-interrupted" for m in moments])
     second = run_together([[PY, CIFAR, *flags, "--output-dir", folder / m, "--resume", "auto"] for m in moments],
@@ -485,7 +485,7 @@ def test_rerunning_a_finished_run_keeps_its_result(tmp_path, reference):
     out = tmp_path / "finished"
     shutil.copytree(reference[0], out)
     before = read_json(out / "summary.json")
-    proc = run([PY, CIFAR, *SYNTHETIC, "--batch-size", GLOBAL_BATCH, *EVERY_7, "--output-dir", out,
+    proc = run([PY, CIFAR, *SYNTHETIC, "--global-batch-size", GLOBAL_BATCH, *EVERY_7, "--output-dir", out,
                 "--resume", "auto"], timeout=240)
     after = read_json(out / "summary.json")
     assert after["steps"] == TOTAL_STEPS and "done: test accuracy None" not in proc.stdout

@@ -47,7 +47,7 @@ def reference(tmp_path_factory):
     """One process at the global batch; started while the cluster comes up, waited for when first needed."""
     out = tmp_path_factory.mktemp("reference") / "single"
     with open(out.parent / "single.log", "w") as log:  # the child keeps its own copy
-        proc = subprocess.Popen([PY, CIFAR, *map(str, RECIPE), "--batch-size", str(GLOBAL_BATCH),
+        proc = subprocess.Popen([PY, CIFAR, *map(str, RECIPE), "--global-batch-size", str(GLOBAL_BATCH),
                                  "--output-dir", str(out)], cwd=ROOT, env=clean_env(), stdout=log,
                                 stderr=subprocess.STDOUT)
     yield proc, out
@@ -70,7 +70,7 @@ def test_sbatch_trains_on_two_nodes_like_one_process(tmp_path, cluster, referenc
     log, out = tmp_path / "job.out", tmp_path / "run"
     started = time.monotonic()
     job, proc = cluster.sbatch(f"--output={log}", f"--chdir={ROOT}", SBATCH, *map(str, RECIPE),
-                               "--batch-size", str(GLOBAL_BATCH // (NODES * PER_NODE)), "--output-dir", str(out),
+                               "--global-batch-size", str(GLOBAL_BATCH), "--output-dir", str(out),
                                env=env, cwd=ROOT, timeout=240)
     elapsed = time.monotonic() - started
     text = log.read_text() if log.exists() else "(no job output)"

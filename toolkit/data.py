@@ -244,7 +244,7 @@ class MemoryLoader:
             raise ValueError(f"expected uint8 N x C x H x W images, N labels and 0 <= rank < world_size, got "
                              f"{images.dtype} {tuple(images.shape)}, {tuple(labels.shape)}, {rank}, {world_size}")
         if batch_size < 1:
-            raise UserError(f"The batch size must be at least 1, not {batch_size}; fix --batch-size.")
+            raise UserError(f"The batch size must be at least 1, not {batch_size}; fix --micro-batch-size.")
         self.images, self.labels = images.to(device), labels.to(device)
         self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
         self.train, self.device, self.augment = train, torch.device(device), augment
@@ -264,7 +264,7 @@ class MemoryLoader:
             self.samples_per_epoch = sum(keep(len(range(r, n, world_size))) for r in range(world_size))
         if train and self._batches == 0:
             raise UserError(f"The training set has {n} samples, fewer than one global batch of "
-                            f"{world_size} x {batch_size}; lower --batch-size.")
+                            f"{world_size} x {batch_size}; lower --global-batch-size.")
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """Select the epoch (it seeds shuffling and augmentation); the next iteration starts at
