@@ -56,7 +56,7 @@ def _parity_parser(sub):
         options.add_argument(f"--num-processes-{side}", f"--num_processes_{side}", type=int, metavar="N",
                              help=f"override the processes of {side.upper()}.yaml (all machines)")
         options.add_argument(f"--args-{side}", f"--args_{side}", default="", metavar="ARGS",
-                             help=f"script arguments for run {side.upper()} only, e.g. --args-{side}=\"--batch-size 8\"")
+                             help=f"script arguments for run {side.upper()} only, e.g. --args-{side}=\"--micro-batch-size 16\"")
     options.add_argument("--steps", type=int, default=10, help="optimizer steps to compare (default: 10)")
     # fp32 summation-order noise between two splits of a batch is ~1e-7 relative; 1e-5 leaves room for K steps.
     options.add_argument("--tolerance", type=float, default=1e-5,

@@ -1,8 +1,7 @@
 """`toolkit parity`: run one script under two setups for K optimizer steps and compare losses and weights.
 
     toolkit parity accelerate_configs/cpu.yaml accelerate_configs/cpu.yaml --engine-a single --engine-b ddp \\
-        --args-a="--batch-size 8" --args-b="--batch-size 4" --steps 5 \\
-        -- recipes/cifar.py --dataset synthetic --model tiny --max-steps 5
+        --steps 5 -- recipes/cifar.py --dataset synthetic --model tiny --max-steps 5
 
 Each side is started by the launcher (`plan_launch` + the profile) with the script's arguments followed by
 its own --args-a/--args-b (given last, they win for a flag given twice). The engines record the loss of
@@ -191,8 +190,8 @@ def setup_mismatches(a: dict, b: dict) -> list[str]:
     """Differences between the setups that rule out agreement by themselves (the user's to fix)."""
     notes = []
     if None not in (global_batch(a), global_batch(b)) and global_batch(a) != global_batch(b):
-        notes.append(f"the global batches differ ({global_batch(a)} in A, {global_batch(b)} in B): give the sides "
-                     "per-process batches that multiply out to the same number with --args-a/--args-b.")
+        notes.append(f"the global batches differ ({global_batch(a)} in A, {global_batch(b)} in B): give both the "
+                     "same global batch (a script that fixes it, as recipes/cifar.py does, needs no per-side arguments).")
     if a["seed"] != b["seed"]:
         notes.append(f"the seeds differ ({a['seed']} in A, {b['seed']} in B).")
     lrs = list(zip(a["learning_rates"], b["learning_rates"]))
