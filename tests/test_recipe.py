@@ -206,7 +206,7 @@ def test_two_ranks_learn_with_one_bar_and_one_summary(request, tmp_path, referen
     text = output(proc)
     assert bars_started(text, TOTAL_STEPS) == 1, text[-3000:]
     assert len(re.findall(r"^done:", text, re.MULTILINE)) == 1
-    assert len(re.findall(r"^tiny on synthetic: .* engine " + engine + r" x 2 process", text, re.MULTILINE)) == 1
+    assert len(re.findall(r"^tiny on synthetic: .* engine " + engine + r"; global batch 128 = 2 process\(es\) x micro-batch 64", text, re.MULTILINE)) == 1
     assert len(writes.read_text().splitlines()) == 1, writes.read_text()  # one rank wrote summary.json, once
     assert sorted(step_rows(out)) == list(range(1, TOTAL_STEPS + 1))  # one writer: no step logged twice
     # 2 x 64 is 1 x 128 (same global batches, no BatchNorm): the same first steps and the same accuracy.
