@@ -137,3 +137,30 @@ def test_weights_start_a_model_with_a_new_head_for_another_class_count(tmp_path)
         assert mine["fc.weight"].shape == (10, 512)
     with pytest.raises(UserError, match="does not fit this model|lacks"):
         start_from_weights(build_image_model("efficientnet_b0", 10, 32), str(tmp_path / "resnet18.pth"), print)
+
+
+def test_streaming_shards_count_every_val_image_once_and_an_epoch_resumes_where_it_stopped(tmp_path):
+    from PIL import Image
+
+    from toolkit.folder_data import StreamingLoader
+
+    for i in range(9):  # 9 images: 2 ranks cannot split them evenly, so a padding sampler would repeat one
+        for split in ("train", "val"):
+            (tmp_path / split / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+            pixels = torch.randint(0, 256, (12, 10 + i, 3), generator=torch.Generator().manual_seed(i), dtype=torch.uint8)
+            Image.fromarray(pixels.numpy()).save(tmp_path / split / f"c{i % 2}" / f"{i}.png")  # crops differ
+    data = open_images(str(tmp_path))
+    common = dict(seed=3, image_size=8, augment="crop-flip")
+    shards = [list(StreamingLoader(data.val, 2, rank=r, world_size=2, train=False, workers=0, **common))
+              for r in range(2)]
+    whole = list(StreamingLoader(data.val, 9, rank=0, world_size=1, train=False, workers=0, **common))[0][0]
+    pieces = torch.cat([x for shard in shards for x, _ in shard])
+    assert len(pieces) == 9 and torch.allclose(pieces.sum(0), whole.sum(0), atol=1e-4)  # each image once
+    full = StreamingLoader(data.train, 2, rank=0, world_size=1, train=True, workers=0, **common)
+    full.set_epoch(1)
+    epoch = list(full)
+    resumed = StreamingLoader(data.train, 2, rank=0, world_size=1, train=True, workers=1, **common)
+    resumed.set_epoch(1, start_batch=2)  # decoded by a worker process this time
+    tail = list(resumed)
+    assert len(epoch) == 4 and len(tail) == 2
+    assert all(torch.equal(a, b) and torch.equal(ya, yb) for (a, ya), (b, yb) in zip(epoch[2:], tail))
