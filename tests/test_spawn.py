@@ -57,3 +57,9 @@ def test_a_failing_worker_is_one_sentence():
     assert "Traceback" not in proc.stderr
     with pytest.raises(RunFailure):
         toolkit.spawn(train, 0)
+
+
+def test_spawned_workers_read_as_the_spawn_launcher_and_get_ddp():
+    env = toolkit.read_launch_env(environ={"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                                           "MASTER_PORT": "29500", "TOOLKIT_LAUNCHER": "spawn"}, argv=["x"])
+    assert (env.launcher, env.rank, env.world_size, toolkit.resolve_engine("auto", env)) == ("spawn", 1, 2, "ddp")
