@@ -2,7 +2,8 @@
 
 Every launcher leaves a different trail in the environment: torchrun and `accelerate launch` (which runs
 torchrun inside) set RANK/WORLD_SIZE/LOCAL_RANK; the legacy `python -m torch.distributed.launch` also
-passes `--local-rank=N` (or `--local_rank=N`) on the command line; `srun` sets SLURM_*; mpirun sets
+passes `--local-rank=N` (or `--local_rank=N`) on the command line; `toolkit.spawn` sets torchrun's variables plus
+TOOLKIT_LAUNCHER=spawn; `srun` sets SLURM_*; mpirun sets
 OMPI_*/PMI_*; plain `python` sets nothing. `read_launch_env()` turns that into one frozen `LaunchEnv`,
 which the rest of the toolkit reads and never mutates.
 
@@ -28,7 +29,7 @@ _LEGACY_LOCAL_RANK = re.compile(r"^--local[-_]rank(?:=(\d+))?$")
 class LaunchEnv:
     """Who launched this process and where it sits in the world."""
 
-    launcher: str  # "torchrun", "accelerate", "torch.distributed.launch", "slurm", "mpi" or "python"
+    launcher: str  # "torchrun", "accelerate", "torch.distributed.launch", "spawn", "slurm", "mpi" or "python"
     rank: int
     local_rank: int
     world_size: int
@@ -130,6 +131,8 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
     if "RANK" in environ and "WORLD_SIZE" in environ:  # torchrun, accelerate launch, legacy launch
         if by_accelerate:
             launcher = "accelerate"
+        elif environ.get("TOOLKIT_LAUNCHER") == "spawn":  # toolkit.spawn's workers (torch.multiprocessing)
+            launcher = "spawn"
         elif legacy_local_rank is not None:
             launcher = "torch.distributed.launch"
         else:

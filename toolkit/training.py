@@ -74,8 +74,9 @@ def average_batchnorm_stats(model, accelerator):
 
 def epoch_batches(loader, epoch: int, start_batch: int = 0):
     """Iterate `loader` for `epoch` from global step `start_batch` (mid-epoch resume). MemoryLoader jumps
-    there directly; a DataLoader is replayed and the first batches skipped."""
-    if isinstance(loader, MemoryLoader):
+    there directly, as does a loader that says it can (folder_data.StreamingLoader); a DataLoader is replayed
+    and the first batches skipped."""
+    if isinstance(loader, MemoryLoader) or getattr(loader, "resumes_mid_epoch", False):
         loader.set_epoch(epoch, start_batch)
         return iter(loader)
     if hasattr(loader, "set_epoch"):

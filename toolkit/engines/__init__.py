@@ -4,7 +4,7 @@ Which engine runs, in order of precedence:
 1. `build_accelerator(engine=...)` when it is not "auto";
 2. the TOOLKIT_ENGINE environment variable (`toolkit launch --engine E` sets it for its children);
 3. "auto", from how the process was launched: `accelerate launch` -> accelerate; torchrun, the legacy
-   torch.distributed.launch, srun and mpirun -> ddp; plain `python` -> single.
+   torch.distributed.launch, toolkit.spawn, srun and mpirun -> ddp; plain `python` -> single.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ AUTO_BY_LAUNCHER = {
     "accelerate": "accelerate",
     "torchrun": "ddp",
     "torch.distributed.launch": "ddp",
+    "spawn": "ddp",
     "slurm": "ddp",
     "mpi": "ddp",
     "python": "single",

@@ -1,0 +1,65 @@
+"""torch.multiprocessing launching: toolkit.spawn and Accelerate's notebook_launcher start workers whose
+build_accelerator() forms the group; 2 workers train the same weights as one process and gather_for_metrics
+returns every sample exactly once."""
+
+import json
+
+import pytest
+import torch
+from conftest import PY, ROOT, run
+from spawn_work import SAMPLES, train
+
+import toolkit
+from toolkit.errors import RunFailure
+
+
+def result(out):
+    data = json.loads((out / "result.json").read_text())
+    return data, {k: torch.tensor(v) for k, v in data.pop("weights").items()}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("one")
+    run([PY, "-c", f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import spawn_work; "
+                   f"spawn_work.train({str(out)!r})"], timeout=120)
+    return result(out)
+
+
+def check_two_workers(out, one_process, engine, launcher):
+    data, weights = result(out)
+    assert (data["engine"], data["world_size"], data["launcher"]) == (engine, 2, launcher)
+    assert sorted(data["gathered"]) == list(range(SAMPLES))  # every sample once: the padding was dropped
+    reference_data, reference = one_process
+    assert reference_data["world_size"] == 1 and reference_data["gathered"] == list(range(SAMPLES))
+    assert max((weights[k] - reference[k]).abs().max().item() for k in reference) < 1e-5
+
+
+def test_spawn_two_workers_train_what_one_process_trains(tmp_path, one_process):
+    toolkit.spawn(train, 2, str(tmp_path))
+    check_two_workers(tmp_path, one_process, "ddp", "spawn")
+
+
+def test_notebook_launcher_two_workers_train_what_one_process_trains(tmp_path, one_process):
+    from accelerate import notebook_launcher
+
+    notebook_launcher(train, (str(tmp_path),), num_processes=2)
+    check_two_workers(tmp_path, one_process, "accelerate", "accelerate")
+
+
+def test_a_failing_worker_is_one_sentence():
+    script = ("import sys; sys.path.insert(0, 'tests'); import toolkit, spawn_work\n"
+              "if __name__ == '__main__':\n    toolkit.spawn(spawn_work.fail_on_rank_one, 2)\n")
+    proc = run([PY, "-c", script], check=False, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: toolkit.spawn: rank 1 failed: ValueError: rank one's data folder is empty")
+    assert "Traceback" not in proc.stderr
+    with pytest.raises(RunFailure):
+        toolkit.spawn(train, 0)
+
+
+def test_spawned_workers_read_as_the_spawn_launcher_and_get_ddp():
+    env = toolkit.read_launch_env(environ={"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                                           "MASTER_PORT": "29500", "TOOLKIT_LAUNCHER": "spawn"}, argv=["x"])
+    assert (env.launcher, env.rank, env.world_size, toolkit.resolve_engine("auto", env)) == ("spawn", 1, 2, "ddp")
