@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import toolkit
-from toolkit.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from toolkit.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint
 from toolkit.data import MemoryLoader, build_torch_loader, load_data
 from toolkit.errors import RunFailure, UserError
 from toolkit.models import MODELS, build_model
@@ -142,11 +142,11 @@ class Run:
         path = latest_checkpoint(self.checkpoints) if resume == "auto" else resume and Path(resume)
         if path is None:
             return
+        saved_model = read_state(path)["config"]["model"]  # before loading: other weights would not fit
+        if saved_model != cfg.model:
+            raise UserError(f"{path} holds a {saved_model} model, not {cfg.model}; pick another --output-dir.")
         state = load_checkpoint(path, model=accelerator.unwrap_model(self.model), optimizer=self.optimizer,
                                 scheduler=self.scheduler, scaler=getattr(accelerator, "scaler", None))
-        if state["config"]["model"] != cfg.model:
-            raise UserError(f"{path} holds a {state['config']['model']} model, not {cfg.model}; "
-                            "pick another --output-dir.")
         accelerator.print(f"resumed from {path} (step {state['step']})")
         self.step, self.epoch, steps_done = resume_position(state, self.samples_per_batch * cfg.grad_accum, accelerator)
         self.batch = steps_done * cfg.grad_accum
