@@ -31,14 +31,18 @@ def global_batches(epoch, global_batch, seed=0):
     return [order[i:i + global_batch] for i in range(0, SAMPLES, global_batch)]
 
 
-def train_by_hand(model, optimizer, batches, grad_accum=1, max_norm=None):
+def train_by_hand(model, optimizer, batches, grad_accum=1, max_norm=None, lr_at=None):
     """Mean cross-entropy over each micro-batch, gradients summed over `grad_accum` micro-batches (each loss
-    divided by grad_accum), then one optimizer step. Returns the number of optimizer steps taken."""
+    divided by grad_accum), then one optimizer step at learning rate lr_at(step) when given. Returns the
+    number of optimizer steps taken."""
     steps = 0
     for micro, (x, y) in enumerate(batches, 1):
         loss = torch.nn.functional.cross_entropy(model(x), y) / grad_accum
         loss.backward()
         if micro % grad_accum == 0:
+            if lr_at is not None:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr_at(steps)
             if max_norm is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             optimizer.step()
@@ -47,13 +51,13 @@ def train_by_hand(model, optimizer, batches, grad_accum=1, max_norm=None):
     return steps
 
 
-def parity_reference(global_batch, grad_accum, epochs=2, max_norm=None):
+def parity_reference(global_batch, grad_accum, epochs=2, max_norm=None, lr_at=None):
     """(final state dict, optimizer steps) of tests/scripts/parity.py's training, written by hand."""
     x, y = parity_data()
     model = parity_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     micro = [(x[i], y[i]) for epoch in range(epochs) for i in map(torch.tensor, global_batches(epoch, global_batch))]
-    steps = train_by_hand(model, optimizer, micro, grad_accum, max_norm)
+    steps = train_by_hand(model, optimizer, micro, grad_accum, max_norm, lr_at)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, steps
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import CONFIGS, PY, ROOT, TOOLKIT, clean_env, final_weights, kill_groups, read_json, run
+from conftest import (CONFIGS, PY, ROOT, SCRIPTS, TOOLKIT, TORCHRUN, clean_env, final_weights, kill_groups,
+                      read_json, run)
 
 from toolkit.checkpoint import latest_checkpoint, verify_checkpoint
 from toolkit.launcher import free_port
@@ -136,6 +137,22 @@ def test_nan_at_step_k_stops_cleanly_or_is_skipped(tmp_path):
     rows = [json.loads(line) for line in (skipped / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r.get("skipped_ranks")] == [7]
     assert read_json(skipped / "summary.json")["test_accuracy"] > 0.3  # the run went on and learned
+
+
+def test_nan_on_a_rank_other_than_the_main_one_stops_every_rank(tmp_path):
+    """Rank 1's loss is NaN at step 5: both ranks stop at that step with the sentence naming rank 1, and the
+    checkpoints of the steps before are kept (the main process never saw a bad loss itself)."""
+    out = tmp_path / "nan"
+    cmd = TORCHRUN + ["--master_port", free_port(), SCRIPTS / "nan_on_rank.py", CIFAR, "--dataset", "synthetic",
+                      "--model", "tiny", "--epochs", 1, "--max-steps", 8, "--checkpoint-every", 2, "--engine", "ddp",
+                      "--output-dir", out]
+    proc = run(cmd, check=False, timeout=180, NAN_RANK=1, NAN_STEP=5)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and errors, proc.stderr[-3000:]
+    assert all("the loss is not finite at step 5 on rank(s) [1]" in line for line in errors), errors
+    assert latest_checkpoint(out / "checkpoints").name == "step-00000004"  # nothing after the NaN was saved
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if row["kind"] == "step"] == [1, 2, 3, 4], rows
 
 
 def test_one_process_run_is_restarted_by_the_launcher(tmp_path):

@@ -12,18 +12,25 @@ from toolkit.launcher import free_port
 
 PARITY = SCRIPTS / "parity.py"
 B = 4
-SETTINGS = ("1", "2", "2c")  # grad-accum 1, 2, and 2 with clip_grad_norm_ to 0.1
+SETTINGS = ("1", "2", "2c", "2s")  # grad-accum 1, 2, 2 with clip_grad_norm_ to 0.1, 2 with a prepared scheduler
 # Measured: at most 1.5e-7 between a run and the hand-written loop (float rounding of 2 x 4 vs 1 x 8 means).
 ATOL = 1e-6
 
 
-def hand_written(setting):
-    return parity_reference(2 * B, int(setting.rstrip("c")), max_norm=0.1 if setting.endswith("c") else None)
+def lr_schedule(world):
+    """A prepared scheduler's learning rate at optimizer step k: Accelerate ticks it `world` times per step
+    (schedules are written in one-process steps), so LambdaLR(0.97 ** tick) gives 0.1 * 0.97 ** (world * k)."""
+    return lambda step: 0.1 * 0.97 ** (world * step)
 
 
-def check_against_hand_written(prefix, label):
+def hand_written(setting, world=1):
+    return parity_reference(2 * B, int(setting.rstrip("cs")), max_norm=0.1 if setting.endswith("c") else None,
+                            lr_at=lr_schedule(world) if setting.endswith("s") else None)
+
+
+def check_against_hand_written(prefix, label, world=1):
     for setting in SETTINGS:
-        expected, expected_steps = hand_written(setting)
+        expected, expected_steps = hand_written(setting, world)
         got = torch.load(f"{prefix}-ga{setting}.pt")
         start, final = got["start"], got["final"]
         assert expected.keys() == final.keys()
@@ -33,7 +40,9 @@ def check_against_hand_written(prefix, label):
             diff = (expected[name] - final[name]).abs().max().item()
             assert diff <= ATOL, f"{label} ga={setting} {name}: max |diff| to the hand-written loop {diff:.2e}"
         counts = read_json(f"{prefix}-ga{setting}.json")
-        assert counts["optimizer_steps"] == expected_steps == 2 * 64 // (2 * B * int(setting.rstrip("c")))
+        assert counts["optimizer_steps"] == expected_steps == 2 * 64 // (2 * B * int(setting.rstrip("cs")))
+        if setting.endswith("s"):
+            assert counts["last_lr"] == pytest.approx(lr_schedule(world)(expected_steps), rel=1e-12)
         yield counts
 
 
@@ -65,7 +74,7 @@ def test_two_ranks_match_one_process_with_double_batch(tmp_path, engine):
     prefix = tmp_path / engine
     run(two_rank_command(engine) + [PARITY, "--engine", engine, "--batch-size", B, "--grad-accum", ",".join(SETTINGS),
                                     "--out", prefix])
-    for counts in check_against_hand_written(prefix, engine):
+    for counts in check_against_hand_written(prefix, engine, world=2):
         # accumulate() skipped the gradient all-reduce on every non-final micro-step: one per optimizer step.
         assert len(counts["all_reduces"]) == counts["optimizer_steps"] and all(counts["all_reduces"])
 
