@@ -123,7 +123,9 @@ RECIPE_CASES = {  # name -> (flags given tmp_path, words the sentence holds)
     "CIFAR folder without test_batch": (lambda t: ["--dataset", "cifar10", "--data-dir", cifar_folder(t, skip_test=True)], "test_batch"),
     "labels out of range": (lambda t: ["--dataset", "cifar10", "--data-dir", cifar_folder(t, labels=[0, 1, 2, 10])], "outside"),
     "resume path that does not exist": (lambda t: ["--resume", str(t / "nope")], "does not exist"),
-    "checkpoint from a different model": (lambda t: ["--resume", other_model_checkpoint(t)], "model"),
+    "checkpoint from a different model": (lambda t: ["--resume", other_model_checkpoint(t)],
+                                          lambda t: f"{t / 'ckpt' / 'step-00000001'} holds a resnet9 model, not tiny; "
+                                                    "pick another --output-dir."),
     "fp16 on CPU": (lambda t: ["--mixed-precision", "fp16"], "fp16 mixed precision needs a CUDA device"),
     "batch larger than the training set": (lambda t: ["--global-batch-size", "100000"], "fewer than one global batch"),
     "unknown model": (lambda t: ["--model", "vit"], "invalid choice: 'vit'"),
@@ -136,6 +138,7 @@ RECIPE_CASES = {  # name -> (flags given tmp_path, words the sentence holds)
 @pytest.mark.parametrize("case", sorted(RECIPE_CASES))
 def test_recipe_input(case, tmp_path, capsys):
     flags, words = RECIPE_CASES[case]
+    words = words(tmp_path) if callable(words) else words
     argv = ["--dataset", "synthetic", "--model", "tiny", "--output-dir", str(tmp_path / "out"), *flags(tmp_path)]
     with pytest.raises((UserError, SystemExit)) as raised:
         cifar.main(argv)
@@ -149,7 +152,15 @@ def test_recipe_input(case, tmp_path, capsys):
 
 
 def test_there_are_at_least_25_cases():
-    assert len(LAUNCH_CASES) + len(RECIPE_CASES) + 1 >= 25
+    """Counts the cases pytest collects from this module (whatever -k selected in this session), not the
+    tables' keys, and the distinct sentences they expect: a second case with the same guard's words is not
+    another case."""
+    listed = run([PY, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", __file__]).stdout
+    tables = ("::test_launch_input[", "::test_recipe_input[", "::test_port_in_use")
+    cases = [line for line in listed.splitlines() if any(table in line for table in tables)]
+    distinct = {("launch", words) for _, words in LAUNCH_CASES.values()}
+    distinct |= {("recipe", words if isinstance(words, str) else name) for name, (_, words) in RECIPE_CASES.items()}
+    assert len(cases) >= 25 and len(distinct) + 1 >= 25, (len(cases), len(distinct))
 
 
 @pytest.mark.parametrize("command", [

@@ -377,3 +377,25 @@ def test_state_that_could_not_be_loaded_safely_is_refused_at_save_time(tmp_path)
     with pytest.raises(UserError, match="scheduler.pt"):
         save_checkpoint(tmp_path, 1, model=model, optimizer=optimizer, scheduler=scheduler)
     assert list(tmp_path.iterdir()) == []  # no checkpoint, no pointer, no temp folder
+
+
+class _Ranks:
+    def __init__(self, num_processes):
+        self.num_processes, self.printed = num_processes, []
+
+    def print(self, line):
+        self.printed.append(line)
+
+
+def test_resume_position_maps_samples_to_steps():
+    """A checkpoint 10 global batches of 128 into epoch 1 resumes at batch 10 of epoch 1, on any world size
+    with the same global batch; a position between two steps resumes at the step before, and says so."""
+    from toolkit.training import resume_position
+
+    state = {"step": 49, "epoch": 1, "samples_in_epoch": 10 * 128, "world_size": 2}
+    assert resume_position(state, 128, _Ranks(2)) == (49, 1, 10)
+    one = _Ranks(1)
+    assert resume_position(state, 128, one) == (49, 1, 10) and "2-process checkpoint on 1" in one.printed[0]
+    odd = _Ranks(2)
+    assert resume_position({**state, "samples_in_epoch": 10 * 128 + 64}, 128, odd) == (49, 1, 10)
+    assert "resuming at the step before" in odd.printed[-1]

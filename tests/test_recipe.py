@@ -62,6 +62,12 @@ def step_rows(out):
     return rows
 
 
+def logged_steps(out):
+    """The step of every step row in OUT/metrics.jsonl, in file order, duplicates included."""
+    lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
+    return [row["step"] for row in map(json.loads, lines) if row["kind"] == "step"]
+
+
 def output(proc):
     return proc.stdout + proc.stderr
 
@@ -208,7 +214,8 @@ def test_two_ranks_learn_with_one_bar_and_one_summary(request, tmp_path, referen
     assert len(re.findall(r"^done:", text, re.MULTILINE)) == 1
     assert len(re.findall(r"^tiny on synthetic: .* engine " + engine + r"; global batch 128 = 2 process\(es\) x micro-batch 64", text, re.MULTILINE)) == 1
     assert len(writes.read_text().splitlines()) == 1, writes.read_text()  # one rank wrote summary.json, once
-    assert sorted(step_rows(out)) == list(range(1, TOTAL_STEPS + 1))  # one writer: no step logged twice
+    assert logged_steps(out) == list(range(1, TOTAL_STEPS + 1))  # one writer: no step logged twice
+    assert len((out / "steps.csv").read_text().splitlines()) == 1 + TOTAL_STEPS  # header + one row per step
     # 2 x 64 is 1 x 128 (same global batches, no BatchNorm): the same first steps and the same accuracy.
     ref = step_rows(reference[0])
     assert max(abs(step_rows(out)[s]["loss"] - ref[s]["loss"]) for s in range(1, FIRST_STEPS + 1)) <= FIRST_STEPS_ATOL
@@ -482,11 +489,17 @@ def test_ctrl_c_just_after_the_optimizer_step_saves_a_checkpoint_that_resumes_ex
 # ----------------------------------------------------------------------------- re-running a finished run
 
 def test_rerunning_a_finished_run_keeps_its_result(tmp_path, reference):
+    """Nothing is trained again: the same steps logged, the same checkpoints byte for byte, the same result."""
     out = tmp_path / "finished"
     shutil.copytree(reference[0], out)
     before = read_json(out / "summary.json")
+    checkpoints = {p.relative_to(out): p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()}
     proc = run([PY, CIFAR, *SYNTHETIC, "--global-batch-size", GLOBAL_BATCH, *EVERY_7, "--output-dir", out,
                 "--resume", "auto"], timeout=240)
     after = read_json(out / "summary.json")
     assert after["steps"] == TOTAL_STEPS and "done: test accuracy None" not in proc.stdout
     assert (after["test_accuracy"], after["test_count"]) == (before["test_accuracy"], before["test_count"])
+    assert logged_steps(out) == list(range(1, TOTAL_STEPS + 1))  # no step trained and logged again
+    assert {p.relative_to(out): p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()} == checkpoints
+    expected = final_weights(reference[0], TOTAL_STEPS)
+    assert all(torch.equal(expected[k], final_weights(out, TOTAL_STEPS)[k]) for k in expected)

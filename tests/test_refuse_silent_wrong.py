@@ -1,5 +1,7 @@
 """Runs that would train silently wrong stop before training with one clear sentence (and never hang)."""
 
+import re
+
 import pytest
 
 from conftest import ACCELERATE, CONFIGS, SCRIPTS, TORCHRUN, run
@@ -12,8 +14,21 @@ from toolkit.profiles import load_profile
 PROBE = SCRIPTS / "probe.py"
 
 
+def refusing_exit_code(text):
+    """The exit code of the process that failed first, from the report of the launcher that started it:
+    accelerate's simple launcher ("returned non-zero exit status N") or torchrun's root cause ("exitcode  : N";
+    torchrun then stops the other ranks with SIGTERM)."""
+    if "Root Cause" in text:
+        text = text[text.index("Root Cause"):]
+    found = re.search(r"non-zero exit status (-?\d+)|exitcode\s*:\s*(-?\d+)", text)
+    return found and int(found.group(1) or found.group(2))
+
+
 def assert_refused(proc, sentence):
-    assert proc.returncode != 0
+    """The refusing process exits 2 (the README's promise); plain `accelerate launch` and `torchrun` are not
+    ours and exit non-zero with their own report, which names that code. Then the guard's own sentence."""
+    code = refusing_exit_code(proc.stderr)
+    assert proc.returncode != 0 and code == 2, f"exit {proc.returncode}, refusing process {code}\n{proc.stderr[-3000:]}"
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert lines and sentence in lines[0], proc.stderr[-3000:]
 
@@ -39,7 +54,8 @@ def test_accelerate_without_cpu_fix_forms_groups_of_one(tmp_path):
 def test_one_process_engine_under_torchrun(tmp_path, engine):
     cmd = TORCHRUN + ["--master_port", free_port(), PROBE, "--out", tmp_path / "x.json"]
     proc = run(cmd, check=False, timeout=90, TOOLKIT_ENGINE=engine)
-    assert_refused(proc, "rank" if engine == "dp" else "formed a group of 1")
+    assert_refused(proc, "the dp engine runs in one process but this one was launched as rank" if engine == "dp"
+                   else "started 2 processes but the single engine formed a group of 1")
 
 
 class FakeEngine:

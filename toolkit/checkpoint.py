@@ -283,6 +283,16 @@ def load_checkpoint(path, *, model=None, optimizer=None, scheduler=None, scaler=
     return json.loads((path / "state.json").read_text())
 
 
+def read_state(path) -> dict:
+    """The state dict of a checkpoint folder (or of the latest one under a root), verified, without loading
+    any weights: check what it holds before loading it into a model.
+
+    >>> read_state("runs/cifar/checkpoints")["config"]["model"]
+    'resnet18'
+    """
+    return json.loads((_resolve_checkpoint(Path(path)) / "state.json").read_text())
+
+
 def _resolve_checkpoint(path):
     if not path.exists():
         raise UserError(f"Checkpoint path {path} does not exist.")

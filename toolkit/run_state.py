@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from toolkit.batching import BatchPlan
-from toolkit.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from toolkit.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint
 from toolkit.errors import RunFailure, UserError
 from toolkit.training import is_peer_failure, peer_failure_message, resume_position, step_status
 
@@ -83,12 +83,11 @@ class RunState:
         path = latest_checkpoint(self.checkpoints) if resume == "auto" else resume and Path(resume)
         if path is None:
             return
+        model, saved_model = self.config["model"], read_state(path)["config"]["model"]
+        if saved_model != model:  # checked before loading: other weights would not fit
+            raise UserError(f"{path} holds a {saved_model} model, not {model}; pick another --output-dir.")
         state = load_checkpoint(path, model=accelerator.unwrap_model(self.model), optimizer=self.optimizer,
                                 scheduler=self.scheduler, scaler=getattr(accelerator, "scaler", None))
-        model = self.config["model"]
-        if state["config"]["model"] != model:
-            raise UserError(f"{path} holds a {state['config']['model']} model, not {model}; "
-                            "pick another --output-dir.")
         accelerator.print(f"resumed from {path} (step {state['step']})")
         self.step, self.epoch, steps_done = resume_position(state, self.plan.global_batch, accelerator)
         self.batch = steps_done * self.plan.accumulation

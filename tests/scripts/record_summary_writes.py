@@ -4,6 +4,8 @@ $SUMMARY_WRITES_LOG, so a test can count how many processes wrote the run summar
     SUMMARY_WRITES_LOG=writes.txt torchrun --nproc_per_node 2 tests/scripts/record_summary_writes.py \
         recipes/cifar.py --dataset synthetic ...
 
+With $RECORD_WRITES_UNDER set to a folder, every write of a file under it is logged too, with its path.
+
 A Python audit hook sees every open() and os.rename/os.replace in the process, whichever library makes
 them, so a rank that wrote the summary directly or through a temporary file is counted either way.
 """
@@ -13,6 +15,7 @@ import runpy
 import sys
 
 LOG = os.environ["SUMMARY_WRITES_LOG"]
+UNDER = os.path.abspath(os.environ["RECORD_WRITES_UNDER"]) + os.sep if os.environ.get("RECORD_WRITES_UNDER") else None
 
 
 def writes(event, args) -> bool:
@@ -30,9 +33,15 @@ def record(event, args):
     if not writes(event, args):
         return
     target = args[1] if event == "os.rename" else args[0]
-    if isinstance(target, (str, bytes, os.PathLike)) and os.path.basename(os.fsdecode(target)) == "summary.json":
+    if not isinstance(target, (str, bytes, os.PathLike)):
+        return
+    path = os.path.abspath(os.fsdecode(target))
+    if os.path.basename(path) == "summary.json":
         with open(LOG, "a") as log:  # this open is audited too, but is not a summary.json
             log.write(f"{os.getpid()} rank={os.environ.get('RANK', '0')} {event}\n")
+    elif UNDER and path.startswith(UNDER):
+        with open(LOG + ".all", "a") as log:
+            log.write(f"rank={os.environ.get('RANK', '0')} {event} {path}\n")
 
 
 sys.addaudithook(record)

@@ -17,9 +17,10 @@ model = accelerator.prepare(model)
 torch.manual_seed(100 + accelerator.process_index)  # each rank sees different data
 for _ in range(3):
     model(torch.randn(8, 3, 8, 8) * (1 + accelerator.process_index)).sum().backward()
-before = batchnorm_layers(accelerator.unwrap_model(model))[0].running_var.clone()
+layer = batchnorm_layers(accelerator.unwrap_model(model))[0]
+before_mean, before_var = layer.running_mean.clone(), layer.running_var.clone()
 average_batchnorm_stats(model, accelerator)
 after = batchnorm_layers(accelerator.unwrap_model(model))[0]
-torch.save({"before": before, "mean": after.running_mean, "var": after.running_var},
+torch.save({"before_mean": before_mean, "before_var": before_var, "mean": after.running_mean, "var": after.running_var},
            f"{sys.argv[1]}-rank{accelerator.process_index}.pt")
 accelerator.end_training()

@@ -1,0 +1,90 @@
+"""Injected bugs that the suite must catch: each one breaks a key invariant (parity, resume, averaging,
+exact evaluation, one writer), and tests/test_mutations.py runs the cheapest tests that catch it with the
+bug applied and expects them to fail. A test that stays green with a bug in the code it names cannot fail.
+
+Apply one by hand (every Python process started below gets it, torchrun workers included):
+
+    TOOLKIT_MUTATION=optimizer-step-noop PYTHONPATH=tests/mutant:. python -m pytest tests/test_parity.py
+
+tests/mutant/sitecustomize.py reads TOOLKIT_MUTATION and patches the module named here as it is imported.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutation:
+    module: str  # patched right after this module is first imported
+    patch: object  # fn(module): replaces one function of it with a broken copy
+    caught_by: tuple  # pytest node ids that must fail with the bug in (the cheapest that do)
+    breaks: str  # the invariant, in words
+
+
+def _optimizer_step_noop(base):
+    base.PreparedOptimizer.step = lambda self, closure=None: None
+
+
+def _gradients_summed(base):
+    backward = base.TorchEngine.backward
+    base.TorchEngine.backward = lambda self, loss, **kw: backward(self, loss * self.num_processes, **kw)
+
+
+def _bn_stats_summed(training):
+    def average_batchnorm_stats(model, accelerator):
+        for layer in training.batchnorm_layers(accelerator.unwrap_model(model)):
+            layer.running_mean.copy_(accelerator.reduce(layer.running_mean, "sum"))
+            layer.running_var.copy_(accelerator.reduce(layer.running_var, "sum"))
+
+    training.average_batchnorm_stats = average_batchnorm_stats
+
+
+def _resume_at_epoch_start(training):
+    resume_position = training.resume_position
+    training.resume_position = lambda state, samples, acc: resume_position(state, samples, acc)[:2] + (0,)
+
+
+def _checkpoint_drops_optimizer(checkpoint):
+    load = checkpoint.load_checkpoint
+    checkpoint.load_checkpoint = lambda path, optimizer=None, **kw: load(path, **kw)
+
+
+def _metrics_keep_padding(base):
+    base.TorchEngine.gather_for_metrics = lambda self, data: self.gather(data)
+
+
+def _every_rank_writes(records):
+    init = records.RunRecorder.__init__
+    records.RunRecorder.__init__ = lambda self, output_dir, active: init(self, output_dir, True)
+
+
+PARITY, FLAGS = "tests/test_parity.py", "tests/test_flags.py"
+MUTATIONS = {
+    "optimizer-step-noop": Mutation(
+        "toolkit.engines.base", _optimizer_step_noop,
+        (f"{PARITY}::test_one_process_matches_the_hand_written_loop",),
+        "parity: PreparedOptimizer.step does nothing (shared by single, dp and ddp)"),
+    "gradients-summed": Mutation(
+        "toolkit.engines.base", _gradients_summed,
+        (f"{PARITY}::test_two_ranks_match_one_process_with_double_batch[ddp]",),
+        "averaging: each rank's loss is scaled by the world size, so DDP's mean of gradients is their sum"),
+    "bn-stats-summed": Mutation(
+        "toolkit.training", _bn_stats_summed,
+        (f"{PARITY}::test_sync_bn_on_cpu_ranks_averages_running_stats",),
+        "averaging: --sync-bn's CPU fallback sums the ranks' BatchNorm statistics"),
+    "resume-at-epoch-start": Mutation(
+        "toolkit.training", _resume_at_epoch_start,
+        ("tests/test_checkpoint.py::test_resume_position_maps_samples_to_steps",),
+        "resume: a mid-epoch checkpoint restarts its epoch from the first batch"),
+    "checkpoint-drops-optimizer": Mutation(
+        "toolkit.checkpoint", _checkpoint_drops_optimizer,
+        ("tests/test_checkpoint.py::test_round_trip_restores_everything",),
+        "resume: loading a checkpoint leaves the optimizer's momentum behind"),
+    "metrics-keep-padding": Mutation(
+        "toolkit.engines.base", _metrics_keep_padding,
+        ("tests/test_two_ranks.py::test_torchrun[ddp]",),
+        "exact eval: gather_for_metrics keeps the samples the sampler repeated as padding"),
+    "every-rank-writes": Mutation(
+        "toolkit.records", _every_rank_writes,
+        (f"{FLAGS}::test_only_the_main_process_writes",),
+        "one writer: every rank appends to metrics.jsonl and steps.csv"),
+}

@@ -1,0 +1,32 @@
+"""Run a recipe as `__main__` with the training loss made NaN on one rank at one step, so a test can check
+what a NaN on a rank other than the main one does (--debug-nan-step injects only on the main process).
+
+    NAN_RANK=1 NAN_STEP=5 torchrun --nproc_per_node 2 tests/scripts/nan_on_rank.py recipes/cifar.py ...
+
+The recipe's loss is torch.nn.functional.cross_entropy with the default mean reduction; evaluation sums
+(reduction="sum") and is left alone. Counting calls counts optimizer steps when there is no accumulation.
+"""
+
+import os
+import runpy
+import sys
+
+import torch.nn.functional as F
+
+RANK, STEP = os.environ["NAN_RANK"], int(os.environ["NAN_STEP"])
+cross_entropy, calls = F.cross_entropy, [0]
+
+
+def poisoned(*args, **kwargs):
+    loss = cross_entropy(*args, **kwargs)
+    if kwargs.get("reduction", "mean") != "mean" or os.environ.get("RANK", "0") != RANK:
+        return loss
+    calls[0] += 1
+    return loss * float("nan") if calls[0] == STEP else loss
+
+
+F.cross_entropy = poisoned
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+runpy.run_path(script, run_name="__main__")
