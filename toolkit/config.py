@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import typing
 
 from toolkit.errors import install_excepthook
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2
-        self.exit(2, f"error: {message} (see --help)\n")
+    def error(self, message):  # one line and exit 2, said by each node's local rank 0 (every rank parses the same)
+        speaks = os.environ.get("LOCAL_RANK", "0") in ("", "0")
+        self.exit(2, f"error: {message} (see --help)\n" if speaks else None)
 
 
 def _flag_type(annotation):

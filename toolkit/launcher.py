@@ -195,9 +195,20 @@ def run_plan(plan: LaunchPlan) -> int:
     return code
 
 
+QUIET_LAUNCHERS = ("torch.distributed.run", "accelerate.commands.launch")
+
+
+def quiet_command(command: list[str]) -> list[str]:
+    """The same launcher run through toolkit.quiet_launch: a worker's error is then its one sentence and
+    exit code, without torchelastic's report and traceback around it."""
+    if command[1:2] == ["-m"] and command[2] in QUIET_LAUNCHERS:
+        return [command[0], "-m", "toolkit.quiet_launch", *command[2:]]
+    return command
+
+
 def _run_once(plan: LaunchPlan, extra_env: dict) -> int:
     """Ctrl-C and SIGTERM go to the child; its exit code comes back."""
-    child = subprocess.Popen(plan.command, env={**os.environ, **plan.env, **extra_env})
+    child = subprocess.Popen(quiet_command(plan.command), env={**os.environ, **plan.env, **extra_env})
 
     def forward(signum, _frame):
         child.send_signal(signum)
