@@ -1,0 +1,140 @@
+"""Files the toolkit reads, made hostile or unusual: refused in one sentence without running anything, or
+decoded as they should be (parquet images written without Hugging Face metadata)."""
+
+import io
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+from conftest import CONFIGS
+from toolkit.data import load_cifar, load_data
+from toolkit.errors import UserError
+from toolkit.safe_pickle import load_restricted
+
+
+class CreatesAFile:
+    def __init__(self, target):
+        self.target = str(target)
+
+    def __reduce__(self):  # what a crafted "CIFAR batch" does: call any function on load
+        return (open, (self.target, "w"))
+
+
+def cifar_folder(root, first_batch):
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = first_batch if name == "data_batch_1" else {b"data": np.zeros((4, 3072), np.uint8),
+                                                             b"labels": [0, 1, 2, 3]}
+        (folder / name).write_bytes(pickle.dumps(batch, protocol=2))
+    return folder
+
+
+def test_a_pickle_that_runs_code_is_refused_and_nothing_runs(tmp_path):
+    target = tmp_path / "created-by-the-pickle"
+    folder = cifar_folder(tmp_path / "data", {b"data": CreatesAFile(target), b"labels": [0]})
+    with pytest.raises(UserError) as raised:
+        load_cifar("cifar10", tmp_path / "data", download=False)
+    message = str(raised.value)
+    assert str(folder / "data_batch_1") in message and "io.open" in message and "\n" not in message, message
+    assert not target.exists()
+    pickle.loads(pickle.dumps(CreatesAFile(target)))  # the same bytes through plain pickle do create it
+    assert target.exists()
+
+
+def test_the_restricted_unpickler_reads_what_cifar_files_hold(tmp_path):
+    batch = {b"batch_label": b"training batch 1 of 5", b"labels": [6, 9], b"filenames": [b"a.png", b"b.png"],
+             b"data": np.arange(2 * 3072, dtype=np.uint8).reshape(2, 3072), "text": "str", "n": 3}
+    for protocol in (2, pickle.HIGHEST_PROTOCOL):
+        loaded = load_restricted(io.BytesIO(pickle.dumps(batch, protocol=protocol)), "batch")
+        assert np.array_equal(loaded[b"data"], batch[b"data"]) and loaded[b"labels"] == [6, 9]
+        assert loaded[b"filenames"] == [b"a.png", b"b.png"] and loaded["text"] == "str" and loaded["n"] == 3
+    for refused in (os.system, eval, np.load):
+        payload = pickle.dumps(refused)
+        with pytest.raises(UserError, match=f"asks to run .*{refused.__name__}"):
+            load_restricted(io.BytesIO(payload), "evil")
+
+
+def test_a_failed_download_removes_what_it_created(tmp_path, monkeypatch):
+    import torchvision.datasets.utils as tv_utils
+
+    def fail_half_way(url, download_root, md5=None):  # offline here: the archive starts, then breaks
+        (tmp_path / "new" / "data" / "cifar-10-python.tar.gz").parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "new" / "data" / "cifar-10-python.tar.gz").write_bytes(b"partial")
+        (tmp_path / "new" / "data" / "cifar-10-batches-py").mkdir()
+        raise OSError("connection reset")
+
+    monkeypatch.setattr(tv_utils, "download_and_extract_archive", fail_half_way)
+    with pytest.raises(UserError, match="downloading it failed"):
+        load_cifar("cifar10", tmp_path / "new" / "data")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "mine").mkdir()  # a folder the user made stays, with what it held
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    monkeypatch.setattr(tv_utils, "download_and_extract_archive", lambda *a, **k: (_ for _ in ()).throw(OSError()))
+    with pytest.raises(UserError):
+        load_cifar("cifar10", tmp_path / "mine")
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+
+
+def encoded(image, fmt="PNG"):
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def write_parquet(folder, images_by_split, as_struct):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, images in images_by_split.items():
+        column = [{"bytes": encoded(im), "path": None} for im in images] if as_struct else [encoded(im) for im in images]
+        pq.write_table(pa.table({"img": column, "label": list(range(len(images)))}), str(folder / f"{split}.parquet"))
+
+
+@pytest.mark.parametrize("as_struct", [True, False], ids=["bytes-path-structs", "raw-binary"])
+def test_parquet_images_without_metadata_are_decoded_in_any_mode(tmp_path, as_struct):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    rgb = [Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)) for _ in range(4)]
+    images = [rgb[0], rgb[1].convert("L"), rgb[2].convert("RGBA"), rgb[3].convert("P")]
+    write_parquet(tmp_path / "pq", {"train": images, "test": images[:2]}, as_struct)
+    data = load_data(f"hf:{tmp_path / 'pq'}", tmp_path, seed=0)
+    assert data.train_x.shape == (4, 3, 32, 32) and data.test_x.shape == (2, 3, 32, 32)
+    for got, image in zip(data.train_x, images):  # PNG is lossless: PIL's own RGB conversion, pixel for pixel
+        assert np.array_equal(got.numpy(), np.asarray(image.convert("RGB")).transpose(2, 0, 1)), image.mode
+
+
+def test_parquet_images_of_a_size_the_recipe_cannot_take_are_named(tmp_path):
+    from PIL import Image
+
+    small = Image.new("RGB", (20, 24))
+    write_parquet(tmp_path / "pq", {"train": [small], "test": [small]}, as_struct=True)
+    with pytest.raises(UserError, match="has a 20x24 image; the CIFAR models take 32x32"):
+        load_data(f"hf:{tmp_path / 'pq'}", tmp_path, seed=0)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    write_parquet(tmp_path / "bad", {"train": [small], "test": [small]}, as_struct=False)
+    pq.write_table(pa.table({"img": [b"not an image"], "label": [0]}), str(tmp_path / "bad" / "train.parquet"))
+    with pytest.raises(UserError, match="PIL cannot decode"):
+        load_data(f"hf:{tmp_path / 'bad'}", tmp_path, seed=0)
+    write_parquet(tmp_path / "mixed", {"train": [small], "test": [small]}, as_struct=True)
+    pq.write_table(pa.table({"img": [b"x"], "label": [0]}), str(tmp_path / "mixed" / "test.parquet"))
+    (tmp_path / "mixed" / "zz-test-2.parquet").write_bytes(b"PAR1 not parquet")
+    with pytest.raises(UserError, match="could not be read as a parquet dataset") as raised:
+        load_data(f"hf:{tmp_path / 'mixed'}", tmp_path, seed=0)
+    assert "\n" not in str(raised.value)
+
+
+def test_env_warns_for_every_gpu_profile_without_a_gpu():
+    from toolkit.launcher import check_devices
+    from toolkit.profiles import load_profile
+
+    for name in ("single_gpu", "multi_gpu", "multi_node"):
+        notes = check_devices(load_profile(str(CONFIGS / f"{name}.yaml")), gpus=0)
+        assert len(notes) == 1 and notes[0].startswith("no GPU visible"), (name, notes)
+    assert check_devices(load_profile(str(CONFIGS / "cpu.yaml")), gpus=0) == []
