@@ -29,7 +29,7 @@ from toolkit.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoi
 from toolkit.data import MemoryLoader, build_torch_loader, load_data
 from toolkit.errors import RunFailure, UserError
 from toolkit.models import MODELS, build_model
-from toolkit.records import RunRecorder
+from toolkit.records import RunRecorder, check_fresh_output_dir
 from toolkit.training import (StopRequest, average_batchnorm_stats, convert_sync_batchnorm, epoch_batches,
                               evaluate, is_peer_failure, peer_failure_message, resume_position, step_status,
                               warmup_linear_decay)
@@ -71,6 +71,7 @@ def check_config(cfg: Config):
         raise UserError("--max-steps must be at least 1, --checkpoint-every at least 0, --lr and --timeout positive.")
     if cfg.resume not in (None, "auto") and not Path(cfg.resume).exists():
         raise UserError(f"--resume {cfg.resume}: that path does not exist; pass a checkpoint folder or 'auto'.")
+    check_fresh_output_dir(cfg.output_dir, cfg.resume)
 
 
 def build_loaders(cfg, data, accelerator):

@@ -96,16 +96,17 @@ def peer_failure_code() -> int | None:
         return None
 
 
-def write_error_file(error: RunFailure):
+def write_error_file(error: RunFailure, said: bool):
     """torchelastic's reply file: plain torchrun and accelerate launch then show our sentence as the root
     cause in their summary, instead of a pointer to its docs. The root cause is the earliest failure, so a
-    quiet rank dates its own a little later than the rank that says why."""
+    rank that did not print dates its own a little later than the one that did."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     message = str(error) if error.quiet else f"error: {error}"
-    stamp = int(time.time()) + (2 if error.quiet else 0)
-    data = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(stamp)}}}
+    stamp = int(time.time()) + (0 if said else 2)
+    data = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(stamp)}},
+            "toolkit_said": said}  # toolkit.quiet_launch prints the sentence when no rank did
     try:
         with open(path, "w") as f:
             json.dump(data, f)
@@ -113,13 +114,18 @@ def write_error_file(error: RunFailure):
         pass
 
 
-def exit_for(error: BaseException):
+def exit_for(error: RunFailure):
     """Say `error` (if this rank is the one to say it), then leave at once with its code."""
-    if speaks(error):
+    said = speaks(error)
+    if said:
         # The real stderr: torch.distributed's own hook swaps sys.stderr for a buffer around ours.
         report(error, stream=sys.__stderr__)
-    write_error_file(error)
+    write_error_file(error, said)
     sys.stdout.flush()
+    if not said and not error.quiet:
+        # Before the process group every rank checks the same flags and local rank 0 says it; the launcher
+        # ends all ranks as soon as one exits, so give it the moment it needs to print first.
+        time.sleep(2)
     os._exit(error.exit_code)  # skip interpreter teardown: a half-formed or broken process group can hang it
 
 

@@ -31,15 +31,21 @@ def silence_agent_logs():
 
 
 def failure_code(failed) -> int:
-    """The exit code `toolkit launch` returns for a ChildFailedError, printing one line unless the failing
-    worker already said why (it wrote torchelastic's error file)."""
+    """The exit code `toolkit launch` returns for a ChildFailedError, printing one line unless a worker
+    already said why (the error file it wrote tells, see toolkit/errors.py)."""
+    failures = sorted(failed.failures.items(), key=lambda item: item[1].timestamp)
+    said = [f for _, f in failures if f.error_file_data.get("toolkit_said")]
+    if said:
+        return said[0].exitcode
+    for _, failure in failures:  # a rank that kept quiet for another that was ended before it could speak
+        message = failure.message.get("message", "") if isinstance(failure.message, dict) else ""
+        if message.startswith("error: "):
+            print(message, file=sys.stderr, flush=True)
+            return failure.exitcode
     rank, failure = failed.get_first_failure()
-    code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
-    message = failure.message.get("message", "") if isinstance(failure.message, dict) else ""
-    if not message.startswith("error: "):
-        why = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-        print(f"error: rank {rank} stopped with {why} (its output above says why).", file=sys.stderr, flush=True)
-    return code
+    why = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+    print(f"error: rank {rank} stopped with {why} (its output above says why).", file=sys.stderr, flush=True)
+    return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
 
 
 def main(argv: list[str]) -> int:

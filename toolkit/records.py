@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from toolkit.errors import UserError
+
 
 def git_commit(path: str | Path = ".") -> str | None:
     try:
@@ -45,6 +47,27 @@ def versions() -> dict:
             found[package] = None
     found["cuda"] = torch.version.cuda
     return found
+
+
+def check_fresh_output_dir(output_dir: str | Path, resume: str | None):
+    """Refuse to start a new run in a folder that already holds one: both runs' rows would mix in the
+    metrics files and the new run would prune the old one's checkpoints. Resuming (--resume, or a restart
+    by torchrun/toolkit launch, which resumes on its own) and `toolkit parity` (whose two sides share the
+    script's arguments for a few steps) continue in it on purpose.
+
+    >>> check_fresh_output_dir("/nonexistent/run", None)
+    """
+    from toolkit.launch_env import read_launch_env
+    from toolkit.parity_capture import read_parity_request
+
+    if resume is not None or read_launch_env().restart_count or read_parity_request() is not None:
+        return
+    path = Path(output_dir)
+    if path.is_dir() and any(path.iterdir()):
+        raise UserError(f"--output-dir {path} already holds files of another run; continue that run with "
+                        "--resume auto, or pass a fresh folder.")
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--output-dir {path} is a file, not a folder; pass a fresh folder.")
 
 
 class RunRecorder:
