@@ -29,7 +29,7 @@ from toolkit.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoi
 from toolkit.data import MemoryLoader, build_torch_loader, load_data
 from toolkit.errors import RunFailure, UserError
 from toolkit.models import MODELS, build_model
-from toolkit.records import RunRecorder, check_fresh_output_dir
+from toolkit.records import RunRecorder, Throughput, check_fresh_output_dir
 from toolkit.training import (StopRequest, average_batchnorm_stats, convert_sync_batchnorm, epoch_batches,
                               evaluate, is_peer_failure, peer_failure_message, resume_position, step_status,
                               warmup_linear_decay)
@@ -118,8 +118,7 @@ class Run:
     step: int = 0  # optimizer steps done
     epoch: int = 0
     batch: int = 0  # micro-steps of `epoch` done (always a whole number of optimizer steps)
-    images: int = 0
-    seconds: float = 0.0
+    throughput: Throughput = field(default_factory=Throughput)  # images/s after the first steps
 
     @property
     def checkpoints(self) -> Path:
@@ -156,7 +155,7 @@ class Run:
 def train_epoch(run: Run, loader, records, progress, stop: StopRequest) -> bool:
     """Train from (run.epoch, run.batch) to the epoch's end or the last step; True when asked to stop."""
     cfg, accelerator, model, optimizer = run.cfg, run.accelerator, run.model, run.optimizer
-    tick, stopping = time.perf_counter(), False
+    tick, stopping = time.perf_counter(), False  # tick: when this optimizer step began
     for batch, (images, labels) in enumerate(epoch_batches(loader, run.epoch, run.batch), run.batch):
         if batch >= run.micro_per_epoch or run.step >= run.total_steps:
             break
@@ -174,12 +173,12 @@ def train_epoch(run: Run, loader, records, progress, stop: StopRequest) -> bool:
                 accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        run.images += run.samples_per_batch
         if not accelerator.sync_gradients:
             continue
         run.scheduler.step()
         run.step, run.batch = run.step + 1, batch + 1
-        rate = run.images / (run.seconds + time.perf_counter() - tick)
+        run.throughput.step(run.samples_per_batch * cfg.grad_accum, time.perf_counter() - tick)
+        rate = run.throughput.images_per_s or 0.0
         mean_loss, lr = losses.mean().item(), run.scheduler.get_last_lr()[0]
         records.log("step", step=run.step, epoch=run.epoch, loss=mean_loss, lr=lr, images_per_s=round(rate, 1),
                     **({"skipped_ranks": bad_ranks} if bad_ranks else {}))
@@ -189,7 +188,7 @@ def train_epoch(run: Run, loader, records, progress, stop: StopRequest) -> bool:
             run.save()
         if stopping:
             break
-    run.seconds += time.perf_counter() - tick
+        tick = time.perf_counter()  # after any checkpoint: saving is not training time
     return stopping
 
 
@@ -222,7 +221,8 @@ def main(argv=None):
         try:
             while run.epoch < cfg.epochs and run.step < total_steps:
                 if train_epoch(run, train_loader, records, progress, stop):
-                    accelerator.print(f"interrupted at step {run.step}: checkpoint saved; resume with --resume auto")
+                    if accelerator.is_local_main_process:  # through tqdm: not glued to the progress bar
+                        progress.write(f"interrupted at step {run.step}: checkpoint saved; resume with --resume auto")
                     raise SystemExit(130)
                 if run.batch >= micro_per_epoch:  # the epoch is complete: the next one starts at its beginning
                     run.epoch, run.batch = run.epoch + 1, 0
@@ -233,7 +233,8 @@ def main(argv=None):
                     metrics = evaluate(model, test_loader, accelerator)
                     records.log("epoch", step=run.step, epoch=run.epoch, test_accuracy=metrics["accuracy"],
                                 test_loss=metrics["loss"], test_count=metrics["count"])
-                    accelerator.print(f"epoch {run.epoch}: test accuracy {metrics['accuracy']:.4f}")
+                    if accelerator.is_local_main_process:
+                        progress.write(f"epoch {run.epoch}: test accuracy {metrics['accuracy']:.4f}")
         except Exception as error:
             if is_peer_failure(error):
                 raise RunFailure(peer_failure_message(error, accelerator, run.step, cfg.timeout)) from None
@@ -244,7 +245,8 @@ def main(argv=None):
         metrics = evaluate(model, test_loader, accelerator)
     summary = records.summary(
         test_accuracy=metrics["accuracy"], test_loss=metrics["loss"], test_count=metrics["count"], steps=run.step,
-        images_per_s=round(run.images / run.seconds, 1) if run.seconds else None, engine=accelerator.name,
+        images_per_s=run.throughput.images_per_s, warmup_s=round(run.throughput.warmup_s, 3),
+        warmup_steps=min(run.throughput.steps, run.throughput.warmup_steps), engine=accelerator.name,
         world_size=accelerator.num_processes, mixed_precision=accelerator.mixed_precision, config=asdict(cfg))
     records.close()
     accelerator.print(f"done: test accuracy {summary['test_accuracy']}, {summary['images_per_s']} images/s")

@@ -138,3 +138,48 @@ def test_env_warns_for_every_gpu_profile_without_a_gpu():
         notes = check_devices(load_profile(str(CONFIGS / f"{name}.yaml")), gpus=0)
         assert len(notes) == 1 and notes[0].startswith("no GPU visible"), (name, notes)
     assert check_devices(load_profile(str(CONFIGS / "cpu.yaml")), gpus=0) == []
+
+
+def test_output_folder_holding_a_run_is_refused_unless_resumed_or_restarted(tmp_path, monkeypatch):
+    from toolkit.records import check_fresh_output_dir
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("TOOLKIT_PARITY_DIR", raising=False)
+    check_fresh_output_dir(tmp_path / "new", None)
+    (tmp_path / "empty").mkdir()
+    check_fresh_output_dir(tmp_path / "empty", None)
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "epochs.csv").write_text("step\n1\n")
+    with pytest.raises(UserError, match="already holds files of another run; continue that run with --resume auto, "
+                                        "or pass a fresh folder"):
+        check_fresh_output_dir(tmp_path / "used", None)
+    check_fresh_output_dir(tmp_path / "used", "auto")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun restarted us: the recipe resumes there
+    check_fresh_output_dir(tmp_path / "used", None)
+
+
+def test_images_per_second_leave_out_the_warm_up():
+    from toolkit.records import Throughput
+
+    meter = Throughput(warmup_steps=2)
+    for seconds in (3.0, 1.0, 0.25, 0.25, 0.5):  # a 4-second stall, then 3 steps of 100 images in 1 s
+        meter.step(100, seconds)
+    assert meter.images_per_s == 300.0 and meter.warmup_s == 4.0
+    short = Throughput(warmup_steps=5)
+    short.step(100, 2.0)
+    assert short.images_per_s == 50.0  # a run no longer than its warm-up: over every step
+
+
+def test_help_shows_every_default():
+    import importlib.util
+
+    from conftest import ROOT
+    from toolkit.config import build_parser
+
+    spec = importlib.util.spec_from_file_location("cifar_recipe_help", ROOT / "recipes" / "cifar.py")
+    cifar = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cifar)
+    text = " ".join(build_parser(cifar.Config).format_help().split())
+    for flag, default in (("--model", "resnet18"), ("--loader", "memory"), ("--engine", "auto"), ("--epochs", "10"),
+                          ("--output-dir", "runs/cifar")):
+        assert f"(default: {default})" in text.split(f"{flag} ", 2)[-1].split(" --", 1)[0], (flag, text)

@@ -37,6 +37,8 @@ def build_parser(config_class, description: str | None = None) -> argparse.Argum
         flag = "--" + field.name.replace("_", "-")
         kind = _flag_type(hints[field.name])
         meta = dict(field.metadata)
+        if not meta.get("help") and meta.get("choices"):  # argparse shows a default only next to a help text
+            meta["help"] = "one of " + ", ".join(map(str, meta["choices"]))
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=meta.get("help"))
         else:
