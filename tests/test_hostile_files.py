@@ -183,3 +183,121 @@ def test_help_shows_every_default():
     for flag, default in (("--model", "resnet18"), ("--loader", "memory"), ("--engine", "auto"), ("--epochs", "10"),
                           ("--output-dir", "runs/cifar")):
         assert f"(default: {default})" in text.split(f"{flag} ", 2)[-1].split(" --", 1)[0], (flag, text)
+
+
+@pytest.mark.parametrize("speaks_first", [True, False], ids=["greets-on-connect", "answers-garbage"])
+def test_a_port_held_by_another_service_is_named_as_such(speaks_first):
+    import socket
+    import threading
+
+    from toolkit import rendezvous
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def serve():  # a plain TCP service: greets (like SSH) or answers any request with garbage (like HTTP)
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                if not speaks_first:
+                    conn.recv(64)
+                conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+    with server, pytest.raises(UserError) as raised:
+        rendezvous._connect("127.0.0.1", server.getsockname()[1], timeout=3)
+    message = str(raised.value)
+    assert "another service" in message and "main_process_port" in message and "\n" not in message, message
+
+
+def hostile_checkpoint(tmp_path, edit):
+    """A real checkpoint whose manifest stays consistent after `edit` changed a file (a crafted one)."""
+    import hashlib
+    import json
+
+    from toolkit.checkpoint import save_checkpoint
+    from toolkit.models import build_model
+
+    state = {"step": 1, "epoch": 0, "samples_in_epoch": 0, "world_size": 1, "config": {"model": "tiny"}}
+    import torch
+
+    model = build_model("tiny", 10)
+    path = save_checkpoint(tmp_path / "ckpt", 1, model=model, state=state,
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    edit(path)
+    files = {f.name: {"size": f.stat().st_size, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+             for f in path.iterdir() if f.name != "manifest.json"}
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"] = {**{k: v for k, v in manifest["files"].items() if k in files}, **files}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    return path
+
+
+def written(path, text):
+    path.write_text(text)
+    return path
+
+
+class TouchOnLoad:
+    def __init__(self, target):
+        self.target = str(target)
+
+    def __reduce__(self):
+        return (open, (self.target, "w"))
+
+
+def _pickled_optimizer(target):
+    def edit(path):
+        with open(path / "optimizer.pt", "wb") as f:
+            pickle.dump({"state": TouchOnLoad(target)}, f)
+    return edit
+
+
+HOSTILE = {  # name -> (make the file given tmp_path, how it is read given the file, words of the sentence)
+    "profile with a python tag that runs code": (
+        lambda t: written(t / "p.yaml", f"distributed_type: !!python/object/apply:os.system ['touch {t}/ran']\n"),
+        lambda p: __import__("toolkit.profiles").profiles.load_profile(str(p)), "YAML"),
+    "profile that is a list": (lambda t: written(t / "p.yaml", "- 1\n- 2\n"),
+                               lambda p: __import__("toolkit.profiles").profiles.load_profile(str(p)), "p.yaml"),
+    "manifest naming a file outside the checkpoint": (
+        lambda t: hostile_checkpoint(t, lambda p: None), "manifest-outside", "not a file of the checkpoint"),
+    "state.json that is not JSON": (
+        lambda t: hostile_checkpoint(t, lambda p: (p / "state.json").write_text("{not json")), "load",
+        "state.json is unreadable"),
+    "state.json that is a list": (
+        lambda t: hostile_checkpoint(t, lambda p: (p / "state.json").write_text("[1, 2]")), "load", "not an object"),
+    "optimizer.pt pickling a call": (
+        lambda t: hostile_checkpoint(t, _pickled_optimizer(t / "ran")), "load", "Refusing to load"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_files_are_refused_in_one_sentence_and_run_nothing(case, tmp_path):
+    import json
+
+    import torch
+
+    from toolkit.checkpoint import load_checkpoint, verify_checkpoint
+    from toolkit.models import build_model
+
+    make, read, words = HOSTILE[case]
+    path = make(tmp_path)
+    if read == "manifest-outside":
+        manifest = json.loads((path / "manifest.json").read_text())
+        manifest["files"]["../../outside.txt"] = {"size": 1, "sha256": "0" * 64}
+        (path / "manifest.json").write_text(json.dumps(manifest))
+        read = verify_checkpoint
+    elif read == "load":
+        model = build_model("tiny", 10)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        read = lambda p: load_checkpoint(p, model=model, optimizer=optimizer)  # noqa: E731
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(UserError) as raised:
+        read(path)
+    assert words in str(raised.value) and "\n" not in str(raised.value), str(raised.value)
+    assert not (tmp_path / "ran").exists()
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written

@@ -20,6 +20,8 @@ ALLOWED_GLOBALS = {
     ("numpy._core.multiarray", "_reconstruct"),  # the same under numpy >= 2
     ("numpy.core.numeric", "_frombuffer"),  # protocol 5: an array from its raw buffer
     ("numpy._core.numeric", "_frombuffer"),
+    ("numpy.core.multiarray", "scalar"),  # a numpy number (labels saved as np.int64)
+    ("numpy._core.multiarray", "scalar"),
     ("numpy", "ndarray"),
     ("numpy", "dtype"),
     ("_codecs", "encode"),  # protocol 2 writes bytes as _codecs.encode(str, 'latin1')
