@@ -132,7 +132,27 @@ RECIPE_CASES = {  # name -> (flags given tmp_path, words the sentence holds)
     "unknown engine": (lambda t: ["--engine", "horovod"], "invalid choice: 'horovod'"),
     "unknown loader": (lambda t: ["--loader", "ffcv"], "invalid choice: 'ffcv'"),
     "not a number": (lambda t: ["--lr", "fast"], "invalid float value: 'fast'"),
+    "output folder holding another run": (lambda t: ["--output-dir", used_folder(t)], "--resume auto, or pass a fresh folder"),
+    "pickle that runs code": (lambda t: ["--dataset", "cifar10", "--data-dir", evil_cifar_folder(t)], "which a dataset file never needs"),
 }
+
+
+def used_folder(tmp_path):
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "metrics.jsonl").write_text("{}\n")
+    return str(tmp_path / "used")
+
+
+class _Evil:
+    def __reduce__(self):
+        return (open, ("evil-pickle-ran", "w"))
+
+
+def evil_cifar_folder(tmp_path):
+    folder = cifar_folder(tmp_path)
+    with open(f"{folder}/cifar-10-batches-py/data_batch_1", "wb") as f:
+        pickle.dump({b"data": _Evil(), b"labels": [0]}, f)
+    return folder
 
 
 @pytest.mark.parametrize("case", sorted(RECIPE_CASES))

@@ -18,11 +18,10 @@ from toolkit.launcher import free_port
 
 CIFAR = ROOT / "recipes" / "cifar.py"
 RECORD_WRITES = SCRIPTS / "record_summary_writes.py"
-# Synthetic data (5000 train images); the recipe's default batch of 128 per process: 19 steps per epoch on 2
-# ranks. --max-steps 24 stops 5 steps into epoch 1; --eval-every 2 then evaluates once, at the last step.
+# Synthetic data (5000 train images) at global batch 256: 19 steps per epoch on any number of ranks. --max-steps 24 stops 5 steps into epoch 1; --eval-every 2 then evaluates once, at the last step.
 MAX_STEPS, STEPS_PER_EPOCH = 24, 5000 // 256
 FLAGS = ["--dataset", "synthetic", "--model", "tiny", "--epochs", 3, "--max-steps", MAX_STEPS, "--eval-every", 2,
-         "--loader", "torch", "--checkpoint-every", 4, "--keep", 100, "--engine", "ddp"]
+         "--global-batch-size", 256, "--loader", "torch", "--checkpoint-every", 4, "--keep", 100, "--engine", "ddp"]
 
 
 def rows(out, kind):

@@ -207,6 +207,8 @@ def verify_checkpoint(path):
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise UserError(f"Checkpoint {path} is corrupt: manifest.json is unreadable ({error}).")
     for name, size, digest in entries:
+        if Path(name).name != name or name in ("", ".", ".."):  # a crafted manifest must not reach outside
+            raise UserError(f"Checkpoint {path} is corrupt: manifest.json names {name!r}, not a file of the checkpoint.")
         file = path / name
         if not file.is_file():
             raise UserError(f"Checkpoint {path} is corrupt: {name} is missing.")
@@ -280,7 +282,13 @@ def load_checkpoint(path, *, model=None, optimizer=None, scheduler=None, scaler=
             obj.load_state_dict(_load_pt(path / f"{name}.pt", map_location))
     if restore_rng and (path / "rng.pt").is_file():
         set_rng_state(_load_pt(path / "rng.pt", "cpu"))
-    return json.loads((path / "state.json").read_text())
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except (OSError, ValueError) as error:
+        raise UserError(f"Checkpoint {path} is corrupt: state.json is unreadable ({type(error).__name__}).") from None
+    if not isinstance(state, dict):
+        raise UserError(f"Checkpoint {path} is corrupt: state.json holds a {type(state).__name__}, not an object.")
+    return state
 
 
 def read_state(path) -> dict:

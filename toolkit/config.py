@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import typing
 
 from toolkit.errors import install_excepthook
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2
-        self.exit(2, f"error: {message} (see --help)\n")
+    def error(self, message):  # one line and exit 2, said by each node's local rank 0 (every rank parses the same)
+        speaks = os.environ.get("LOCAL_RANK", "0") in ("", "0")
+        self.exit(2, f"error: {message} (see --help)\n" if speaks else None)
 
 
 def _flag_type(annotation):
@@ -35,6 +37,8 @@ def build_parser(config_class, description: str | None = None) -> argparse.Argum
         flag = "--" + field.name.replace("_", "-")
         kind = _flag_type(hints[field.name])
         meta = dict(field.metadata)
+        if not meta.get("help") and meta.get("choices"):  # argparse shows a default only next to a help text
+            meta["help"] = "one of " + ", ".join(map(str, meta["choices"]))
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=meta.get("help"))
         else:

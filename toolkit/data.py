@@ -12,7 +12,6 @@ for "crop-flip"; flips are wrong for digits and text, so "crop" and "none" exist
 from __future__ import annotations
 
 import math
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from toolkit.errors import UserError
+from toolkit.safe_pickle import load_restricted
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)  # per-channel mean of the CIFAR-10 training set, in [0, 1]
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
@@ -89,11 +89,37 @@ def _download_cifar(name: str, spec: dict, folder: Path, download: bool) -> None
         raise UserError(f"{name} was not found in {folder}; {hint}.")
     from torchvision.datasets.utils import download_and_extract_archive
 
+    created = _missing_ancestors(folder.parent)
     try:
         download_and_extract_archive(spec["url"], folder.parent, md5=spec["md5"])
     except Exception as err:  # offline, proxy, bad checksum: the user's remedy is the same
+        _remove_download(folder, spec["url"], created)
         raise UserError(f"{name} was not found in {folder} and downloading it failed "
                         f"({type(err).__name__}); {hint}.") from err
+
+
+def _missing_ancestors(path: Path) -> list[Path]:
+    """The folders of `path` that do not exist yet, deepest first: a failed download removes them."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_download(folder: Path, url: str, created: list[Path]):
+    """Undo a failed download: the partial archive, a half-extracted folder and the folders it made."""
+    import shutil
+
+    archive = folder.parent / url.rsplit("/", 1)[-1]
+    for partial in (archive, archive.with_name(archive.name + ".part")):
+        partial.unlink(missing_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    for path in created:  # deepest first; only when empty, so nothing of the user's goes
+        try:
+            path.rmdir()
+        except OSError:
+            break
 
 
 def _read_cifar_files(folder: Path, names: list[str], label_key: bytes, num_classes: int):
@@ -105,10 +131,12 @@ def _read_cifar_files(folder: Path, names: list[str], label_key: bytes, num_clas
             raise UserError(f"{path} is missing, so {folder} is not a CIFAR folder; {fix}.")
         try:
             with open(path, "rb") as f:
-                # These are trusted dataset files (the official CIFAR archive); pickle can run code,
-                # so this must never read files from an untrusted source.
-                batch = pickle.load(f, encoding="bytes")
+                # Mirrors serve these files too, and a pickle can run code: only the globals a CIFAR batch
+                # needs are allowed (toolkit/safe_pickle.py).
+                batch = load_restricted(f, str(path))
             data, labels = np.asarray(batch[b"data"]), np.asarray(batch[label_key], dtype=np.int64)
+        except UserError:
+            raise
         except Exception as err:  # truncated file, wrong keys, not a pickle: all a bad file
             raise UserError(f"{path} is not a readable CIFAR batch ({type(err).__name__}); {fix}.") from err
         if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072 or labels.shape != (len(data),):

@@ -1,17 +1,28 @@
-"""Failures reported as one sentence and a non-zero exit code, never a traceback.
+"""Failures reported as one sentence and a non-zero exit code, never a traceback, under every launcher.
 
 `UserError` (exit 2) is a mistake the user can fix; `RunFailure` (exit 1) is something that went wrong
 while running (a dead peer, a non-finite loss) after which the checkpoints on disk are still good.
+
+With several processes the sentence is said once: the first rank that fails says it (the others learn of
+it through the job's rendezvous store, or through `settle` below) and the other ranks exit with the same
+code without a word. Before the process group exists, only each node's local rank 0 speaks: every rank
+checks the same flags and would say the same thing.
 """
 
+from __future__ import annotations
+
+import contextlib
+import json
 import os
 import sys
+import time
 
 
 class RunFailure(Exception):
     """The run cannot go on (a peer died, the loss is not finite): one sentence, exit code 1."""
 
     exit_code = 1
+    quiet = False  # True: another rank says why; this one only exits
 
 
 class UserError(RunFailure):
@@ -20,24 +31,167 @@ class UserError(RunFailure):
     exit_code = 2
 
 
+class PeerFailure(RunFailure):
+    """Another rank failed and says why; this rank stops quietly with the same exit code."""
+
+    quiet = True
+
+    def __init__(self, exit_code: int, rank: int | None = None):
+        super().__init__(f"stopped because {'another rank' if rank is None else f'rank {rank}'} failed first "
+                         f"(exit code {exit_code}); its error says why")
+        self.exit_code = exit_code
+
+
 def report(error: BaseException, stream=None) -> int:
     print(f"error: {error}", file=stream or sys.stderr, flush=True)
     return getattr(error, "exit_code", 1)
 
 
+def _failure_key() -> str:
+    return f"toolkit/failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _store():
+    """The job's rendezvous store when a process group is up (torchrun's agent hosts it), else None."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            import datetime
+
+            store = dist.distributed_c10d._get_default_store()
+            store.set_timeout(datetime.timedelta(seconds=5))
+            return store
+    except Exception:  # a group torn down half-way: fall back to the local rule
+        return None
+    return None
+
+
+def speaks(error: RunFailure) -> bool:
+    """Whether this process prints `error`: not when quiet, and once per job (or per node before the
+    process group exists: every rank then checks the same flags, and local rank 0 says it)."""
+    if error.quiet:
+        return False
+    store = _store()
+    if store is not None:
+        try:
+            first = store.add(_failure_key() + "/count", 1) == 1
+            if first:
+                store.set(_failure_key() + "/code", str(error.exit_code))
+            return first
+        except Exception:
+            pass
+    return os.environ.get("LOCAL_RANK", "0") in ("", "0")
+
+
+def peer_failure_code() -> int | None:
+    """The exit code a peer recorded before this process's collective broke, or None."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        key = _failure_key() + "/code"
+        return int(store.get(key)) if store.check([key]) else None
+    except Exception:
+        return None
+
+
+def write_error_file(error: RunFailure, said: bool):
+    """torchelastic's reply file: plain torchrun and accelerate launch then show our sentence as the root
+    cause in their summary, instead of a pointer to its docs. The root cause is the earliest failure, so a
+    rank that did not print dates its own a little later than the one that did."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    message = str(error) if error.quiet else f"error: {error}"
+    stamp = int(time.time()) + (0 if said else 2)
+    data = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(stamp)}},
+            "toolkit_said": said}  # toolkit.quiet_launch prints the sentence when no rank did
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass
+
+
+def exit_for(error: RunFailure):
+    """Say `error` (if this rank is the one to say it), then leave at once with its code."""
+    said = speaks(error)
+    if said:
+        # The real stderr: torch.distributed's own hook swaps sys.stderr for a buffer around ours.
+        report(error, stream=sys.__stderr__)
+    write_error_file(error, said)
+    sys.stdout.flush()
+    if not said and not error.quiet:
+        # Before the process group every rank checks the same flags and local rank 0 says it; the launcher
+        # ends all ranks as soon as one exits, so give it the moment it needs to print first.
+        time.sleep(2)
+    os._exit(error.exit_code)  # skip interpreter teardown: a half-formed or broken process group can hang it
+
+
 def install_excepthook():
-    """Make an uncaught RunFailure print one line and exit with its code, in any script that builds an engine."""
+    """Make an uncaught RunFailure print one line (once per job) and exit with its code, in any script that
+    builds an engine; a collective broken because a peer already failed ends this rank quietly."""
     previous = sys.excepthook
     if getattr(previous, "_toolkit", False):
         return
 
     def hook(kind, value, traceback):
         if isinstance(value, RunFailure):
-            # The real stderr: torch.distributed's own hook swaps sys.stderr for a buffer around ours.
-            code = report(value, stream=sys.__stderr__)
-            sys.stdout.flush()
-            os._exit(code)  # skip interpreter teardown: a half-formed or broken process group can hang it
+            exit_for(value)
+        code = peer_failure_code()
+        if code is not None:  # our collective broke because that peer left: it has said why
+            exit_for(PeerFailure(code))
         previous(kind, value, traceback)
 
     hook._toolkit = True
     sys.excepthook = hook
+
+
+def settle(engine, error: BaseException | None):
+    """Every rank calls this at the same point: if any rank failed, all of them stop. The first failing
+    rank raises its own error; the others raise a quiet PeerFailure with its exit code. This shares a
+    failure before the next barrier instead of leaving the peers to time out or crash there."""
+    if engine.num_processes > 1:
+        import torch
+
+        code = 0 if error is None else getattr(error, "exit_code", 1)
+        codes = engine.gather(torch.tensor([code], device=engine.device)).tolist()
+        failed = [rank for rank, c in enumerate(codes) if c]
+        if failed and (error is None or engine.process_index != failed[0]):
+            raise PeerFailure(codes[failed[0]], failed[0])
+    if error is not None:
+        raise error
+
+
+@contextlib.contextmanager
+def all_ranks(engine):
+    """Run a block on every rank and stop them all if it fails on any (a file one rank cannot read).
+
+    >>> from toolkit.engines import build_accelerator
+    >>> with all_ranks(build_accelerator("single")):
+    ...     pass
+    """
+    error = None
+    try:
+        yield
+    except Exception as caught:  # a bug too: its peers must not wait for it at the next collective
+        error = caught
+    settle(engine, error)
+
+
+@contextlib.contextmanager
+def main_process_first(engine):
+    """The main process runs the block first (one download), then the others; a failure on either side
+    ends every rank, said once."""
+    main = engine.is_main_process
+    if not main:
+        settle(engine, None)  # meets the main process after its turn; raises quietly if it failed
+    error = None
+    try:
+        yield
+    except Exception as caught:
+        error = caught
+    if main:
+        settle(engine, error)
+    settle(engine, None if main else error)

@@ -51,7 +51,13 @@ def _open_hf(spec: str, cache_dir: Path):
         if not files:
             raise UserError(f"{path} holds neither a save_to_disk dataset nor .parquet files; "
                             "pass one of those with --dataset hf:PATH.")
-        return datasets.load_dataset("parquet", data_files=_parquet_splits(files), cache_dir=str(cache_dir))
+        try:
+            return datasets.load_dataset("parquet", data_files=_parquet_splits(files), cache_dir=str(cache_dir))
+        except (datasets.exceptions.DatasetGenerationError, OSError, ValueError) as err:  # not parquet, mixed schemas
+            cause = err.__cause__ or err
+            raise UserError(f"{path} could not be read as a parquet dataset ({type(cause).__name__}: "
+                            f"{str(cause).splitlines()[0][:200] if str(cause) else ''}); check that every file is "
+                            "parquet with the same columns and types.") from err
     if path.exists():
         raise UserError(f"{path} is not a .parquet file or a dataset folder; pass one of those with --dataset hf:PATH.")
     try:
@@ -97,7 +103,10 @@ def _find_columns(split, spec: str) -> tuple[str, str]:
 def _hf_images(split, image_col: str, spec: str) -> torch.Tensor:
     import datasets
 
-    if not isinstance(split.features[image_col], datasets.Image):
+    feature = split.features[image_col]
+    # Parquet written without `datasets`' metadata holds encoded images as {bytes, path} structs or raw binary.
+    encoded = isinstance(feature, dict) and "bytes" in feature or getattr(feature, "dtype", None) == "binary"
+    if not isinstance(feature, datasets.Image) and not encoded:
         split = split.with_format("numpy", columns=[image_col])  # array columns: skip nested Python lists
     out = np.empty((len(split), 3, 32, 32), dtype=np.uint8)
     resized = 0
@@ -114,6 +123,8 @@ def _hf_images(split, image_col: str, spec: str) -> torch.Tensor:
 def _to_chw_uint8(image, spec: str) -> tuple[np.ndarray, bool]:
     from PIL import Image
 
+    if isinstance(image, (dict, bytes, bytearray)):
+        image = _decode(image, spec)
     if not isinstance(image, Image.Image):  # an array column: H x W, H x W x 3 or 3 x H x W
         arr = np.asarray(image)
         if arr.ndim == 3 and arr.shape[0] == 3 and arr.shape[-1] != 3:
@@ -124,8 +135,31 @@ def _to_chw_uint8(image, spec: str) -> tuple[np.ndarray, bool]:
             scale = 255 if arr.dtype.kind == "f" and arr.max() <= 1.0 else 1
             arr = np.clip(np.rint(arr * scale), 0, 255).astype(np.uint8)
         image = Image.fromarray(arr)
-    image = image.convert("RGB")
+    image = image.convert("RGB")  # L, RGBA, P, CMYK...: the models take 3 channels
+    width, height = image.size
+    if width != height or width < 32:
+        raise UserError(f"{spec} has a {width}x{height} image; the CIFAR models take 32x32 (larger square images "
+                        "are resized): resize or crop the dataset's images to a square of at least 32x32.")
     resized = image.size != (32, 32)
     if resized:
         image = image.resize((32, 32), Image.BILINEAR)
     return np.asarray(image).transpose(2, 0, 1), resized
+
+
+def _decode(image, spec: str):
+    """An encoded image (PNG, JPEG...) from raw bytes or a {bytes, path} struct, decoded with PIL."""
+    import io
+
+    from PIL import Image
+
+    data = image.get("bytes") if isinstance(image, dict) else image
+    if data is None:
+        raise UserError(f"{spec} has an image entry without bytes (path {image.get('path')!r}); store the encoded "
+                        "image bytes in the parquet file.")
+    try:
+        decoded = Image.open(io.BytesIO(data))
+        decoded.load()
+    except Exception as err:  # not an image, truncated, a decompression bomb: all a bad file
+        raise UserError(f"{spec} has an image that PIL cannot decode ({type(err).__name__}); "
+                        "store PNG or JPEG bytes.") from err
+    return decoded

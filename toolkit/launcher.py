@@ -66,10 +66,11 @@ def visible_gpus() -> int:
 def check_devices(profile: Profile, gpus: int) -> list[str]:
     """Refuse a profile asking for more GPUs than this node has; on a machine without GPUs, say that the
     processes run on CPU instead."""
-    if profile.use_cpu or profile.distributed_type in ("NO", "MULTI_CPU") and gpus == 0:
+    if profile.use_cpu or profile.distributed_type == "MULTI_CPU":
         return []
-    if gpus == 0:
-        return [f"no GPU visible: the {profile.processes_per_machine} process(es) per machine run on CPU with gloo."]
+    if gpus == 0:  # a GPU profile (single_gpu.yaml's NO included): say that it trains on the CPU
+        return [f"no GPU visible: the {profile.processes_per_machine} process(es) per machine run on CPU"
+                + (" with gloo." if profile.processes_per_machine > 1 or profile.num_machines > 1 else ".")]
     ids = [] if profile.gpu_ids in (None, "all") else [i.strip() for i in profile.gpu_ids.split(",") if i.strip()]
     for gpu in ids:
         if not gpu.isdigit() or int(gpu) >= gpus:
@@ -92,7 +93,8 @@ def _rendezvous(profile: Profile) -> tuple[str, int, list[str]]:
             port = MULTI_NODE_PORT
         else:
             port = free_port()
-            notes.append(f"main_process_port not set: using free local port {port}.")
+            if profile.main_process_port is None:  # 0 asks for exactly this: nothing to say
+                notes.append(f"main_process_port not set: using free local port {port}.")
     elif profile.machine_rank == 0 and profile.num_machines == 1 and port_in_use(host, port):
         raise UserError(f"port {port} on {host} is already in use; set another main_process_port or 0 for a free one.")
     return host, port, notes
@@ -195,9 +197,20 @@ def run_plan(plan: LaunchPlan) -> int:
     return code
 
 
+QUIET_LAUNCHERS = ("torch.distributed.run", "accelerate.commands.launch")
+
+
+def quiet_command(command: list[str]) -> list[str]:
+    """The same launcher run through toolkit.quiet_launch: a worker's error is then its one sentence and
+    exit code, without torchelastic's report and traceback around it."""
+    if command[1:2] == ["-m"] and command[2] in QUIET_LAUNCHERS:
+        return [command[0], "-m", "toolkit.quiet_launch", *command[2:]]
+    return command
+
+
 def _run_once(plan: LaunchPlan, extra_env: dict) -> int:
     """Ctrl-C and SIGTERM go to the child; its exit code comes back."""
-    child = subprocess.Popen(plan.command, env={**os.environ, **plan.env, **extra_env})
+    child = subprocess.Popen(quiet_command(plan.command), env={**os.environ, **plan.env, **extra_env})
 
     def forward(signum, _frame):
         child.send_signal(signum)

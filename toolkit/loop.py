@@ -23,7 +23,7 @@ from tqdm import tqdm
 from toolkit.batching import plan_batches
 from toolkit.engines import ENGINES, build_accelerator
 from toolkit.errors import UserError
-from toolkit.records import RunRecorder
+from toolkit.records import RunRecorder, check_fresh_output_dir
 from toolkit.run_state import RunState, check_loss, peer_failures
 from toolkit.training import StopRequest, average_batchnorm_stats, convert_sync_batchnorm, epoch_batches, evaluate
 from toolkit.training import warmup_linear_decay
@@ -68,6 +68,7 @@ def check_config(cfg):
         raise UserError("--weight-decay must be at least 0, --warmup and --label-smoothing in [0, 1).")
     if cfg.resume not in (None, "auto") and not Path(cfg.resume).exists():
         raise UserError(f"--resume {cfg.resume}: that path does not exist; pass a checkpoint folder or 'auto'.")
+    check_fresh_output_dir(cfg.output_dir, cfg.resume)
 
 
 def start(cfg):
@@ -110,7 +111,7 @@ def make_run(cfg, accelerator, plan, model, optimizer, batches_per_epoch: int) -
 def train_epoch(run: RunState, cfg, loader, records, progress, stop: StopRequest) -> bool:
     """Train from (run.epoch, run.batch) to the epoch's end or the last step; True when asked to stop."""
     accelerator, model, optimizer = run.accelerator, run.model, run.optimizer
-    run.started, stopping = time.perf_counter(), False
+    tick, stopping = time.perf_counter(), False  # tick: when this optimizer step began
     for batch, (images, labels) in enumerate(epoch_batches(loader, run.epoch, run.batch), run.batch):
         if batch >= run.micro_per_epoch or run.step >= run.total_steps:
             break
@@ -127,7 +128,8 @@ def train_epoch(run: RunState, cfg, loader, records, progress, stop: StopRequest
             optimizer.zero_grad(set_to_none=True)
         if not run.advance(batch):  # a micro-step inside an accumulation
             continue
-        rate, mean_loss, lr = run.images_per_second(), losses.mean().item(), run.scheduler.get_last_lr()[0]
+        run.throughput.step(run.plan.global_batch, time.perf_counter() - tick)
+        rate, mean_loss, lr = run.throughput.images_per_s or 0.0, losses.mean().item(), run.scheduler.get_last_lr()[0]
         records.log("step", step=run.step, epoch=run.epoch, loss=mean_loss, lr=lr, images=run.images,
                     images_per_s=round(rate, 1), **({"skipped_ranks": bad_ranks} if bad_ranks else {}))
         progress.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.3g}", img_s=f"{rate:.0f}", refresh=False)
@@ -136,7 +138,7 @@ def train_epoch(run: RunState, cfg, loader, records, progress, stop: StopRequest
             run.save()
         if stopping:
             break
-    run.seconds += time.perf_counter() - run.started
+        tick = time.perf_counter()  # after any checkpoint: saving is not training time
     return stopping
 
 
@@ -152,7 +154,8 @@ def fit(run: RunState, cfg, train_loader, test_loader, bn_fallback: bool):
         try:
             while run.epoch < cfg.epochs and run.step < run.total_steps:
                 if train_epoch(run, cfg, train_loader, records, progress, stop):
-                    accelerator.print(f"interrupted at step {run.step}: checkpoint saved; resume with --resume auto")
+                    if accelerator.is_local_main_process:  # through tqdm: not glued to the progress bar
+                        progress.write(f"interrupted at step {run.step}: checkpoint saved; resume with --resume auto")
                     raise SystemExit(130)
                 if run.batch >= run.micro_per_epoch:  # the epoch is complete: the next one starts at its beginning
                     run.epoch, run.batch = run.epoch + 1, 0
@@ -163,7 +166,8 @@ def fit(run: RunState, cfg, train_loader, test_loader, bn_fallback: bool):
                     metrics = evaluate(model, test_loader, accelerator)
                     records.log("epoch", step=run.step, epoch=run.epoch, images=run.images,
                                 test_accuracy=metrics["accuracy"], test_loss=metrics["loss"], test_count=metrics["count"])
-                    accelerator.print(f"epoch {run.epoch}: test accuracy {metrics['accuracy']:.4f}")
+                    if accelerator.is_local_main_process:
+                        progress.write(f"epoch {run.epoch}: test accuracy {metrics['accuracy']:.4f}")
         finally:
             progress.close()
     if not metrics:  # resumed a finished run: nothing trained, the model still gets its report
@@ -176,7 +180,8 @@ def finish(run: RunState, cfg, records, metrics: dict, **extra) -> dict:
     accelerator, plan = run.accelerator, run.plan
     summary = records.summary(
         test_accuracy=metrics["accuracy"], test_loss=metrics["loss"], test_count=metrics["count"], steps=run.step,
-        images_per_s=round(run.images / run.seconds, 1) if run.seconds else None, engine=accelerator.name,
+        images_per_s=run.throughput.images_per_s, warmup_s=round(run.throughput.warmup_s, 3),
+        warmup_steps=min(run.throughput.steps, run.throughput.warmup_steps), engine=accelerator.name,
         world_size=accelerator.num_processes, global_batch_size=plan.global_batch, micro_batch_size=plan.micro_batch,
         gradient_accumulation=plan.accumulation, mixed_precision=accelerator.mixed_precision, **extra,
         config=asdict(cfg))

@@ -109,7 +109,8 @@ def _connect(address: str, port: int, timeout: float):
     deadline, said = time.monotonic() + timeout, 0.0
     while True:
         try:
-            with socket.create_connection((address, port), timeout=2):
+            with socket.create_connection((address, port), timeout=2) as probe:
+                _refuse_foreign_service(probe, address, port)
                 break
         except OSError:
             waited = timeout - (deadline - time.monotonic())
@@ -123,7 +124,25 @@ def _connect(address: str, port: int, timeout: float):
                 print(f"[toolkit] still waiting for the main node at {address}:{port} "
                       f"({waited:.0f} of {timeout:g} s)", file=sys.stderr, flush=True)
             time.sleep(0.5)
-    return _store(address, port, False, max(1.0, deadline - time.monotonic()))
+    try:
+        return _store(address, port, False, max(1.0, deadline - time.monotonic()))
+    except RuntimeError as error:  # torch's DistNetworkError/DistStoreError: it answered, but not as a store
+        raise UserError(f"{address}:{port} accepts connections but does not answer as the main node's rendezvous "
+                        f"store ({type(error).__name__}); another service may hold that port: pick another "
+                        "main_process_port.") from None
+
+
+def _refuse_foreign_service(probe: socket.socket, address: str, port: int):
+    """A torch.distributed store never speaks first: bytes on connect mean another service holds the port
+    (torch would retry against it for half a minute and print C++ stack frames)."""
+    probe.settimeout(0.3)
+    try:
+        greeting = probe.recv(64)
+    except (socket.timeout, OSError):
+        return
+    if greeting:
+        raise UserError(f"{address}:{port} is held by another service (it answered {greeting[:20]!r} on connect), not "
+                        "the main node's rendezvous store; pick another main_process_port.")
 
 
 def _disagreement(views: list[NodeView]) -> str | None:

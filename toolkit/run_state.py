@@ -10,8 +10,7 @@ needs and should not spell out (checkpoint position, restarts, a non-finite loss
 from __future__ import annotations
 
 import contextlib
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,6 +18,7 @@ import torch
 from toolkit.batching import BatchPlan
 from toolkit.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint
 from toolkit.errors import RunFailure, UserError
+from toolkit.records import Throughput
 from toolkit.training import is_peer_failure, peer_failure_message, resume_position, step_status
 
 
@@ -39,9 +39,8 @@ class RunState:
     step: int = 0  # optimizer steps done
     epoch: int = 0
     batch: int = 0  # micro-steps of `epoch` done (always a whole number of optimizer steps)
-    images: int = 0
-    seconds: float = 0.0
-    started: float = 0.0  # perf_counter() when the current epoch's timing began
+    images: int = 0  # images trained on, all ranks together
+    throughput: Throughput = field(default_factory=Throughput)  # images/s after the first steps
 
     @property
     def checkpoints(self) -> Path:
@@ -59,9 +58,6 @@ class RunState:
         self.scheduler.step()
         self.step, self.batch = self.step + 1, batch + 1
         return True
-
-    def images_per_second(self) -> float:
-        return self.images / max(self.seconds + time.perf_counter() - self.started, 1e-9)
 
     def save(self):
         accelerator = self.accelerator

@@ -16,6 +16,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 
+from toolkit import errors
 from toolkit.errors import UserError
 from toolkit.parity_capture import build_recorder
 
@@ -81,6 +82,10 @@ class AccelerateEngine:
     def backward(self, loss, **kwargs):
         self._recorder.backward(loss)
         self.accelerator.backward(loss, **kwargs)
+
+    def main_process_first(self):
+        """Accelerate's order, but a failure on the main process ends the others instead of breaking their barrier."""
+        return errors.main_process_first(self)
 
     def set_seed(self, seed: int, device_specific: bool = True):
         """Seed every RNG (plus the rank when device_specific) and the samplers' data order."""

@@ -16,6 +16,7 @@ import random
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
+from toolkit import errors
 from toolkit.errors import UserError
 from toolkit.launch_env import LaunchEnv
 from toolkit.parity_capture import build_recorder
@@ -266,13 +267,9 @@ class TorchEngine:
     def end_training(self):
         pass
 
-    @contextlib.contextmanager
     def main_process_first(self):
-        if not self.is_main_process:
-            self.wait_for_everyone()
-        yield
-        if self.is_main_process:
-            self.wait_for_everyone()
+        """The main process runs the block first; a failure on any rank ends every rank, said once."""
+        return errors.main_process_first(self)
 
     def print(self, *args, **kwargs):
         if self.is_local_main_process:

@@ -1,0 +1,84 @@
+"""A user error under a multi-process launch: its sentence once, no Python traceback from our processes,
+every rank ended (not timed out), exit 2 under `toolkit launch`; plain `accelerate launch` and torchrun
+exit non-zero with their own summary naming our sentence as the root cause (torchelastic's error file).
+
+Each launch costs ~10 s here, so each case runs under the launchers whose behaviour differs for it: a
+failure before the process group exists, rank 0 failing inside main_process_first, every rank failing
+after the group formed (a checkpoint of another model), and a check that fails on rank 1 only.
+"""
+
+import pytest
+
+from conftest import ACCELERATE, CONFIGS, PY, ROOT, SCRIPTS, TOOLKIT, TORCHRUN, run
+from toolkit.checkpoint import save_checkpoint
+from toolkit.models import build_model
+from toolkit.launcher import free_port
+
+CIFAR = str(ROOT / "recipes" / "cifar.py")
+CPU = str(CONFIGS / "cpu.yaml")
+TINY = ["--dataset", "synthetic", "--model", "tiny", "--max-steps", "1"]
+LAUNCHERS = {
+    "accelerate launch": ACCELERATE + ["--config_file", CPU],
+    "toolkit launch": TOOLKIT + ["launch", "--config_file", CPU],
+    "toolkit launch ddp": TOOLKIT + ["launch", "--config_file", CPU, "--engine", "ddp"],
+}
+
+
+def other_model_checkpoint(tmp_path):
+    state = {"step": 1, "epoch": 0, "samples_in_epoch": 0, "world_size": 1, "config": {"model": "resnet9"}}
+    return str(save_checkpoint(tmp_path / "ckpt", 1, model=build_model("resnet9", 10), state=state))
+
+
+CASES = {  # name -> (script and args given tmp_path, the sentence's words, launchers)
+    "missing data folder (rank 0 in main_process_first)": (
+        lambda t: [CIFAR, "--dataset", "cifar10", "--data-dir", str(t / "nonexistent"), "--output-dir", str(t / "o")],
+        "cifar10 was not found in", ["accelerate launch", "toolkit launch"]),
+    "bad flag (before the process group)": (
+        lambda t: [CIFAR, *TINY, "--epochs", "0", "--output-dir", str(t / "o")],
+        "--epochs must be at least 1", ["toolkit launch ddp"]),
+    "checkpoint of another model (every rank, after the group formed)": (
+        lambda t: [CIFAR, *TINY, "--resume", other_model_checkpoint(t), "--output-dir", str(t / "o")],
+        "do not fit this model", ["accelerate launch"]),
+    "rank 1 fails inside main_process_first": (
+        lambda t: [str(SCRIPTS / "rank_local_error.py"), "main-first"],
+        "rank 1 cannot read its shard file", ["toolkit launch ddp"]),
+    "rank 1 fails alone, rank 0 waits at a barrier": (
+        lambda t: [str(SCRIPTS / "rank_local_error.py"), "alone"],
+        "rank 1 cannot read its shard file", ["accelerate launch"]),
+}
+PAIRS = [(case, launcher) for case, (_, _, launchers) in CASES.items() for launcher in launchers]
+
+
+def our_lines(proc):
+    return [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error: ")]
+
+
+@pytest.mark.parametrize("case,launcher", PAIRS, ids=[f"{launcher}: {case}" for case, launcher in PAIRS])
+def test_one_sentence_under_a_two_process_launch(case, launcher, tmp_path):
+    script, words, _ = CASES[case]
+    proc = run(LAUNCHERS[launcher] + script(tmp_path), check=False, timeout=150)
+    output = proc.stdout + proc.stderr
+    assert "not reached" not in output and "[rank" not in output, output  # no rank's traceback, no rank went on
+    assert len(our_lines(proc)) == 1 and words in our_lines(proc)[0], output
+    if launcher.startswith("toolkit"):
+        assert proc.returncode == 2 and "Traceback" not in output, output
+        assert [line for line in output.splitlines() if not line.startswith("[toolkit]")] == our_lines(proc), output
+    else:  # accelerate's own summary (and its own traceback) follow; our sentence is its root cause
+        assert proc.returncode != 0 and output.count("Traceback") <= 1, output
+        root_cause = output.split("Root Cause")[1]
+        assert f"traceback : error: " in root_cause and words in root_cause, output
+
+
+def test_plain_torchrun_names_our_sentence_as_the_root_cause(tmp_path):
+    proc = run(TORCHRUN + ["--master_port", free_port(), CIFAR, "--dataset", "cifar10", "--data-dir",
+                           tmp_path / "nonexistent", "--output-dir", tmp_path / "o"], check=False, timeout=150)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and len(our_lines(proc)) == 1 and "[rank" not in output, output
+    assert "cifar10 was not found in" in output.split("Root Cause")[1], output
+
+
+def test_python_exits_2_with_one_line(tmp_path):
+    proc = run([PY, CIFAR, "--dataset", "cifar10", "--data-dir", tmp_path / "nonexistent", "--output-dir",
+                tmp_path / "o"], check=False, timeout=120)
+    assert proc.returncode == 2 and (proc.stdout + proc.stderr).strip().splitlines() == our_lines(proc), proc.stderr
+    assert not (tmp_path / "nonexistent").exists()  # the failed download left nothing behind

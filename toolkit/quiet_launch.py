@@ -1,0 +1,67 @@
+"""Run `accelerate launch` or torchrun as `toolkit launch`'s child, reporting a failed worker in one line.
+
+    python -m toolkit.quiet_launch torch.distributed.run --nproc_per_node 2 train.py
+    python -m toolkit.quiet_launch accelerate.commands.launch --config_file cpu.yaml train.py
+
+Both launchers are torchelastic agents: when a worker fails they log each step and then raise
+ChildFailedError with a 20-line report and their own traceback. Under `toolkit launch` the worker has
+already said why in one sentence (toolkit/errors.py), so this runs the same launcher in-process with its
+logs silenced, and exits with the failing worker's own code (2 for a user error). A worker that failed
+without saying why (a crash, a signal) gets one line naming its rank and exit code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+# Importing these creates the loggers that print the OMP_NUM_THREADS banner, "Sending process N closing
+# signal" and "failed (exitcode: 2)" on every failure; the worker's own sentence is all the user needs.
+_AGENT_MODULES = ("torch.distributed.run", "torch.distributed.launcher.api",
+                  "torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api")
+
+
+def silence_agent_logs():
+    for module in _AGENT_MODULES:
+        importlib.import_module(module)
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def failure_code(failed) -> int:
+    """The exit code `toolkit launch` returns for a ChildFailedError, printing one line unless a worker
+    already said why (the error file it wrote tells, see toolkit/errors.py)."""
+    failures = sorted(failed.failures.items(), key=lambda item: item[1].timestamp)
+    said = [f for _, f in failures if f.error_file_data.get("toolkit_said")]
+    if said:
+        return said[0].exitcode
+    for _, failure in failures:  # a rank that kept quiet for another that was ended before it could speak
+        message = failure.message.get("message", "") if isinstance(failure.message, dict) else ""
+        if message.startswith("error: "):
+            print(message, file=sys.stderr, flush=True)
+            return failure.exitcode
+    rank, failure = failed.get_first_failure()
+    why = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+    print(f"error: rank {rank} stopped with {why} (its output above says why).", file=sys.stderr, flush=True)
+    return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+
+
+def main(argv: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    module, args = argv[0], argv[1:]
+    silence_agent_logs()
+    sys.argv = [module, *args]  # both launchers' main() parse sys.argv
+    try:
+        importlib.import_module(module).main()
+    except ChildFailedError as failed:
+        return failure_code(failed)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
