@@ -125,12 +125,14 @@ class Run:
         return Path(self.cfg.output_dir) / "checkpoints"
 
     def save(self):
+        # Every rank asks: under fsdp both calls gather the shards of the weights and optimizer state.
+        weights, optimizer_state = self.accelerator.get_state_dict(self.model), self.optimizer.state_dict()
         if self.accelerator.is_main_process:
             state = {"step": self.step, "epoch": self.epoch, "samples_in_epoch": self.batch * self.samples_per_batch,
                      "world_size": self.accelerator.num_processes, "engine": self.accelerator.name,
                      "config": asdict(self.cfg)}
-            save_checkpoint(self.checkpoints, self.step, model=self.accelerator.unwrap_model(self.model),
-                            optimizer=self.optimizer, scheduler=self.scheduler, state=state, keep=self.cfg.keep,
+            save_checkpoint(self.checkpoints, self.step, model=weights,
+                            optimizer=optimizer_state, scheduler=self.scheduler, state=state, keep=self.cfg.keep,
                             scaler=getattr(self.accelerator, "scaler", None))
 
     def restore(self):

@@ -19,6 +19,7 @@ ENGINES = {
     "accelerate": "toolkit.engines.accelerate_engine:AccelerateEngine",
     "ddp": "toolkit.engines.ddp:RawDDPEngine",
     "dp": "toolkit.engines.dp:DataParallelEngine",
+    "fsdp": "toolkit.engines.fsdp:FSDPEngine",
     "single": "toolkit.engines.single:SingleEngine",
 }
 AUTO_BY_LAUNCHER = {
