@@ -41,8 +41,9 @@ def max_diff(a, b):
 accelerator = toolkit.build_accelerator("fsdp", gradient_accumulation_steps=ACCUM)
 W, rank = accelerator.num_processes, accelerator.process_index
 torch.manual_seed(0)
-reference, model = net(), net()
-model.load_state_dict(reference.state_dict())
+reference = net()
+torch.manual_seed(rank)  # every rank but 0 starts elsewhere: prepare must hand all of them rank 0's weights
+model = net()
 full_numel = sum(p.numel() for p in model.parameters())
 model, optimizer = accelerator.prepare(model, sgd(model.parameters()))
 ref_optimizer = sgd(reference.parameters())

@@ -114,6 +114,12 @@ class FSDPEngine(RawDDPEngine):
         dtype = torch.bfloat16 if bf16 else torch.float16 if self.mixed_precision == "fp16" else None
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
                                       output_dtype=torch.float32 if dtype else None)
+        if self._world > 1:
+            # As DDP does when it wraps: every rank starts from rank 0's weights (ranks seeded apart
+            # initialise differently, and fully_shard would keep each rank's own slice of its own init).
+            with torch.no_grad():
+                for tensor in model.state_dict().values():
+                    dist.broadcast(tensor, src=0)
         for unit in shard_units(model):
             fully_shard(unit, mesh=self._mesh, mp_policy=policy)
         fully_shard(model, mesh=self._mesh, mp_policy=policy)
