@@ -69,3 +69,84 @@ def test_parity_fsdp_agrees_with_ddp_and_one_process(other, args_other):
     out = parity(CPU, CPU, "--engine-a", "fsdp", "--engine-b", other, "--steps", "3", "--args-a=--batch-size 4",
                  f"--args-b={args_other}", "--", SCRIPTS / "parity_target.py")
     assert "engine fsdp, 2 process(es)" in out and "verdict: AGREE" in out
+
+
+NOTICE = "[toolkit] accelerate runs FSDP only on GPUs"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="accelerate runs its own FSDP where CUDA is visible")
+def test_fsdp_profile_without_cuda_shards_with_the_fsdp_engine_and_says_so_once(tmp_path):
+    """Accelerate itself would prepare a DistributedDataParallel model here (state MULTI_CPU) without a word."""
+    out = tmp_path / "probe.json"
+    proc = run(ACCELERATE + ["--config_file", CONFIGS / "fsdp.yaml", SCRIPTS / "probe.py", "--out", out])
+    result = read_json(out)
+    assert (result["engine"], result["world"], result["rank_sum"]) == ("fsdp", 2, 1)
+    assert sorted(result["gathered"]) == list(range(9))
+    assert (proc.stdout + proc.stderr).count(NOTICE) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="accelerate runs its own FSDP where CUDA is visible")
+def test_toolkit_env_says_what_an_fsdp_profile_runs():
+    from toolkit.envinfo import collect
+
+    report = collect(str(CONFIGS / "fsdp.yaml"), environ={})
+    assert report["toolkit_launch"]["runs"] == "fsdp"
+    assert [f["code"] for f in report["findings"] if f["code"].startswith("fsdp")] == ["fsdp-without-cuda"]
+    replicated = collect(str(CONFIGS / "fsdp.yaml"), environ={"TOOLKIT_ENGINE": "ddp"})
+    assert [f["code"] for f in replicated["findings"] if f["code"].startswith("fsdp")] == ["fsdp-profile-replicated"]
+    assert collect(str(CONFIGS / "fsdp.yaml"), environ={"TOOLKIT_ENGINE": "fsdp"})["toolkit_launch"]["runs"] == "fsdp"
+
+
+# The recipe at its default batch (128 per process: 256 a step at world 2), 12 steps of epoch 0 (19 steps long),
+# a full checkpoint every 4: steps 4 and 8 are mid-epoch resume points.
+RECIPE = [CIFAR, "--dataset", "synthetic", "--model", "tiny", "--epochs", 1, "--max-steps", 12,
+          "--checkpoint-every", 4, "--keep", 100]
+# Resumed runs follow the fsdp run's trajectory: measured 0 (ddp, accelerate: the same arithmetic) and <= 1e-7
+# (one process at batch 256: the rounding of one mean against two) on every loss; a wrong resume (position,
+# momentum, weights) moves the first losses by 1e-2 or more (tests/test_recipe.py measured 6e-2).
+RESUME_ATOL = 1e-5
+
+
+def losses(out):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if r["kind"] == "step"}
+
+
+def recipe(launcher, out, *args):
+    return run(launcher + [*RECIPE, "--output-dir", out, "--data-dir", out.parent / "data", *args], timeout=300)
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("recipe") / "fsdp"
+    recipe(TORCHRUN + ["--master_port", free_port()], out, "--engine", "fsdp")
+    return out
+
+
+def check_resumed(out, reference, at, engine, world):
+    summary = read_json(out / "summary.json")
+    assert (summary["engine"], summary["world_size"], summary["steps"]) == (engine, world, 12)
+    got, ref = losses(out), losses(reference)
+    assert sorted(got) == list(range(at + 1, 13))  # resumed mid-epoch: nothing replayed, nothing skipped
+    worst = max(abs(got[s] - ref[s]) for s in got)
+    assert worst <= RESUME_ATOL, f"{engine} resumed at {at}: losses differ from the fsdp run's by {worst:.2e}"
+    diff = max_weight_diff(final_weights(reference, 12), final_weights(out, 12))
+    assert diff <= 1e-4, diff
+    assert abs(summary["test_accuracy"] - read_json(reference / "summary.json")["test_accuracy"]) <= 0.002
+    return worst, diff
+
+
+def test_fsdp_checkpoint_resumes_under_ddp_single_and_accelerate_and_back(tmp_path, fsdp_run):
+    """fsdp@4 -> ddp, one process (single) and accelerate; single@8 -> fsdp (world 1 -> 2): every resumed run
+    ends where the fsdp run did, and the fsdp run ends where ddp and accelerate do."""
+    at4 = fsdp_run / "checkpoints" / "step-00000004"
+    assert json.loads((at4 / "state.json").read_text())["engine"] == "fsdp"
+    recipe(TORCHRUN + ["--master_port", free_port()], tmp_path / "ddp", "--engine", "ddp", "--resume", at4)
+    recipe([PY], tmp_path / "single", "--engine", "single", "--batch-size", 256, "--resume", at4)
+    recipe(ACCELERATE + ["--config_file", CPU], tmp_path / "accelerate", "--resume", at4)
+    at8 = tmp_path / "single" / "checkpoints" / "step-00000008"
+    recipe(TORCHRUN + ["--master_port", free_port()], tmp_path / "back", "--engine", "fsdp", "--resume", at8)
+    for name, engine, world, at in [("ddp", "ddp", 2, 4), ("single", "single", 1, 4), ("accelerate", "accelerate", 2, 4),
+                                    ("back", "fsdp", 2, 8)]:
+        worst, diff = check_resumed(tmp_path / name, fsdp_run, at, engine, world)
+        print(f"{engine}@{at}: max |loss diff| {worst:.1e}, max |weight diff| {diff:.1e}")
