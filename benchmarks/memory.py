@@ -3,7 +3,8 @@ engines at world 2 and 4, next to the model's total.
 
     python benchmarks/memory.py                  # resnet18 (11.2M parameters), AdamW, worlds 2 and 4, ~1 min
     python benchmarks/memory.py --model resnet9  # another model
-    python benchmarks/memory.py --quick          # tiny, about 15 s
+    python benchmarks/memory.py --quick          # tiny, about 30 s
+    python benchmarks/memory.py --quick --worlds 2   # tiny, world 2 only (what tests/test_benchmarks.py runs)
 
 For each world size W, W processes (torch.multiprocessing.spawn, gloo) build the toolkit's ddp and fsdp
 engines on one group, prepare a copy of the same model with AdamW under each, and take one training step
@@ -28,6 +29,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from toolkit.errors import UserError
 from toolkit.models import MODELS, build_model
 
 TARGETS = {2: 0.55, 4: 0.30}  # fsdp bytes per rank / ddp bytes per rank, at most
@@ -37,7 +39,12 @@ KINDS = ("parameters", "gradients", "optimizer state")
 def parse_args(argv=None):
     parser = common.build_parser("memory", __doc__)
     parser.add_argument("--model", default=None, choices=sorted(MODELS), help="default resnet18; --quick: tiny")
+    parser.add_argument("--worlds", default="2,4", help="world sizes to measure, from 2 and 4 (default both)")
     args = parser.parse_args(argv)
+    worlds = [w.strip() for w in args.worlds.split(",") if w.strip()]
+    if not worlds or any(w not in ("2", "4") for w in worlds):
+        raise UserError(f"--worlds takes 2, 4 or 2,4 (got {args.worlds}).")
+    args.worlds = [int(w) for w in worlds]
     args.model = args.model or ("tiny" if args.quick else "resnet18")
     return args
 
@@ -106,7 +113,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = common.prepare_out(args.out)
     rows, ratios, notes = [], [], []
-    for world, target in TARGETS.items():
+    for world in args.worlds:
+        target = TARGETS[world]
         result = measure(world, args.model)
         sums = {engine: sum(result[engine].values()) for engine in ("ddp", "fsdp")}
         for engine in ("ddp", "fsdp"):
