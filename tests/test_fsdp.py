@@ -150,3 +150,27 @@ def test_fsdp_checkpoint_resumes_under_ddp_single_and_accelerate_and_back(tmp_pa
                                     ("back", "fsdp", 2, 8)]:
         worst, diff = check_resumed(tmp_path / name, fsdp_run, at, engine, world)
         print(f"{engine}@{at}: max |loss diff| {worst:.1e}, max |weight diff| {diff:.1e}")
+
+
+BF16 = """
+import torch, toolkit
+accelerator = toolkit.build_accelerator("fsdp", mixed_precision="bf16")
+torch.manual_seed(0)
+net = torch.nn.Linear(8, 3)
+w, b = net.weight.detach().clone(), net.bias.detach().clone()
+seen = []
+net.register_forward_pre_hook(lambda m, a: seen.append((m.weight.dtype, a[0].dtype)))
+net = accelerator.prepare(net)
+x = torch.randn(4, 8)
+out = net(x)
+expected = torch.nn.functional.linear(x.bfloat16(), w.bfloat16(), b.bfloat16()).float()
+print("BF16", out.dtype, seen[0], accelerator.get_state_dict(net)["weight"].dtype, torch.equal(out, expected))
+accelerator.end_training()
+"""
+
+
+def test_bf16_goes_through_the_mixed_precision_policy():
+    """bf16 weights and inputs inside the forward, fp32 shards kept and fp32 outputs handed back: the output equals
+    a hand-written bf16 linear layer exactly."""
+    line = run([PY, "-c", BF16]).stdout.strip().splitlines()[-1]
+    assert line == "BF16 torch.float32 (torch.bfloat16, torch.bfloat16) torch.float32 True", line
