@@ -7,10 +7,12 @@
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml recipes/cifar.py
     accelerate launch --config_file accelerate_configs/multi_node.yaml --machine_rank R recipes/cifar.py
     torchrun --nproc_per_node 2 recipes/cifar.py --engine ddp
+    torchrun --nproc_per_node 2 recipes/cifar.py --engine fsdp                   # the model sharded (FSDP2)
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/cifar.py
     toolkit launch --config_file accelerate_configs/multi_gpu.yaml --engine ddp recipes/cifar.py
     python recipes/cifar.py --engine dp                                          # nn.DataParallel
 
-The engine (accelerate, ddp, dp, single) follows from the launcher; nothing below asks which one runs.
+The engine (accelerate, ddp, fsdp, dp, single) follows from the launcher; nothing below asks which one runs.
 --batch-size is per process and per micro-step; the global batch is batch-size x processes x grad-accum.
 Mixed precision comes from the accelerate profile unless --mixed-precision is given.
 """
