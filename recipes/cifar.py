@@ -7,10 +7,12 @@
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml recipes/cifar.py
     accelerate launch --config_file accelerate_configs/multi_node.yaml --machine_rank R recipes/cifar.py
     torchrun --nproc_per_node 2 recipes/cifar.py --engine ddp
+    torchrun --nproc_per_node 2 recipes/cifar.py --engine fsdp                   # the model sharded (FSDP2)
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/cifar.py
     toolkit launch --config_file accelerate_configs/multi_gpu.yaml --engine ddp recipes/cifar.py
     python recipes/cifar.py --engine dp                                          # nn.DataParallel
 
-The engine (accelerate, ddp, dp, single) follows from the launcher; nothing below asks which one runs.
+The engine (accelerate, ddp, fsdp, dp, single) follows from the launcher; nothing below asks which one runs.
 --global-batch-size is the images in one optimizer step over all processes, the same under every launcher:
 global batch = processes x --micro-batch-size x gradient accumulation, the accumulation derived. Learning
 rate, weight decay, warm-up, epochs and global batch default to the model's preset (toolkit/presets.py).

@@ -47,3 +47,21 @@ def test_bad_flag_values_are_one_line_and_exit_2(tmp_path):
     proc = run([PY, BENCHMARKS / "engine_overhead.py", "--models", "vgg", "--out", tmp_path / "out"], check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith("error: --models takes names from resnet18, resnet9, tiny (got vgg)")
+
+
+def test_memory_quick_world_2_measures_the_shards_each_rank_holds(tmp_path):
+    """tiny with AdamW: ddp holds parameters, gradients and two Adam moments whole (4 x the model's bytes, plus
+    one 4-byte step count per parameter tensor); fsdp holds half of each (its padding is under 1%)."""
+    proc = run([PY, BENCHMARKS / "memory.py", "--quick", "--worlds", "2", "--out", tmp_path / "out"], timeout=240)
+    ratios = {name: float(value) for name, value in RATIO.findall(proc.stdout)}
+    assert set(ratios) == {"tiny ddp / fsdp per rank, world 2"}, proc.stdout
+    assert 1 / 0.55 <= ratios["tiny ddp / fsdp per rank, world 2"] <= 2.05
+    from toolkit.models import tiny
+
+    model_mib = sum(p.numel() for p in tiny(10).parameters()) * 4 / 2**20
+    ddp_row = next(line for line in proc.stdout.splitlines() if line.startswith("| ddp x 2 |"))
+    cells = [c.strip() for c in ddp_row.strip("|").split("|")]
+    assert float(cells[1]) == pytest.approx(model_mib, abs=0.006) and float(cells[5]) == pytest.approx(model_mib, abs=0.006)
+    assert float(cells[4]) == pytest.approx(4 * model_mib, abs=0.01)
+    assert (tmp_path / "out" / "memory.png").read_bytes().startswith(b"\x89PNG")
+

@@ -17,6 +17,7 @@ KEYS = {"versions", "devices", "launch_environment", "profile", "toolkit_launch"
         "findings"}
 TOPOLOGY = {  # profile: machines, processes per machine, world size, mixed precision, address
     "cpu.yaml": (1, 2, 2, "no", "127.0.0.1:a free port picked at launch"),
+    "fsdp.yaml": (1, 2, 2, "bf16", "127.0.0.1:a free port picked at launch"),
     "single_gpu.yaml": (1, 1, 1, "bf16", None),
     "multi_gpu.yaml": (1, 2, 2, "bf16", "127.0.0.1:a free port picked at launch"),
     "multi_node.yaml": (2, 2, 4, "bf16", "10.0.0.1:29500"),

@@ -72,8 +72,9 @@ def save_checkpoint(root, step, *, model, optimizer=None, scheduler=None, scaler
                     state=None, keep=None):
     """Atomically write checkpoint `root/step-{step:08d}`, point `root/latest` at it, prune to `keep`.
 
-    `state` is a JSON-able dict (epoch, position, config, ...); `step` is added to it.
-    Returns the new folder's Path.
+    `state` is a JSON-able dict (epoch, position, config, ...); `step` is added to it. `model` is a module
+    or its state dict (`accelerator.get_state_dict(model)`: the full weights of a sharded model), and
+    optimizer/scheduler/scaler are objects or their state dicts. Returns the new folder's Path.
 
     >>> save_checkpoint("ckpt", 100, model=net, optimizer=opt, state={"epoch": 1}, keep=3)
     PosixPath('ckpt/step-00000100')
@@ -108,7 +109,7 @@ def _write_contents(folder, model, stateful, state):
     save_model(model, folder / "model.safetensors")
     for name, obj in stateful.items():
         if obj is not None:
-            _save_pt(obj.state_dict(), folder / f"{name}.pt")
+            _save_pt(obj if isinstance(obj, dict) else obj.state_dict(), folder / f"{name}.pt")
     _save_pt(rng, folder / "rng.pt")
     (folder / "state.json").write_text(state_json)
     files = {}

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
 
 import toolkit
-from toolkit.engines import resolve_engine
+from toolkit.engines import FSDP_WITHOUT_CUDA, resolve_engine
 from toolkit.errors import UserError
 from toolkit.launch_env import read_launch_env
 from toolkit.launcher import (
@@ -162,7 +162,7 @@ def toolkit_launch(profile: Profile | None, environ: Mapping[str, str], gpus: in
     """What `toolkit launch --config_file PROFILE script.py` would start (engine, command, launcher notes)."""
     engine = environ.get("TOOLKIT_ENGINE") or "accelerate"
     info = {"engine": engine, "engine_reason": "TOOLKIT_ENGINE" if environ.get("TOOLKIT_ENGINE") else "default",
-            "command": None, "notes": []}
+            "command": None, "notes": [], "runs": engine}
     if profile is None:
         return info, []
     try:
@@ -170,7 +170,21 @@ def toolkit_launch(profile: Profile | None, environ: Mapping[str, str], gpus: in
     except UserError as error:
         return info, [Finding("error", "launch-refused", str(error))]
     info.update(command=format_plan(plan), notes=list(plan.notes))
-    return info, []
+    return info, fsdp_findings(profile, engine, gpus, info)
+
+
+def fsdp_findings(profile: Profile, engine: str, gpus: int, info: dict) -> list[Finding]:
+    """An FSDP profile must shard: say which engine really runs it when that is not accelerate's FSDP."""
+    if profile.distributed_type != "FSDP":
+        return []
+    if engine == "accelerate" and runs_on(profile, gpus) == "cpu":
+        info["runs"] = "fsdp"
+        return [Finding("warning", "fsdp-without-cuda", FSDP_WITHOUT_CUDA)]
+    if engine in ("ddp", "dp", "single"):
+        return [Finding("warning", "fsdp-profile-replicated", (
+            f"{profile.path} asks for FSDP but the {engine} engine keeps a whole copy of the model in every process; "
+            "use --engine fsdp (or accelerate on GPUs) to shard it."))]
+    return []
 
 
 def _local_address(host: str) -> bool:
@@ -329,6 +343,8 @@ def format_report(report: dict) -> str:
     lines += _profile_lines(report["profile"])
     lines.append(f"toolkit launch  engine {plan['engine']} ({plan['engine_reason']}; --engine changes it), and "
                  f"`auto` in the script then picks {plan['engine']}")
+    if plan["runs"] != plan["engine"]:
+        lines.append(f"  runs       the {plan['runs']} engine (see the findings)")
     if plan["command"]:
         lines.append(f"  command    {plan['command']}")
     lines += [f"  note       {note}" for note in plan["notes"]]

@@ -49,6 +49,8 @@ class LaunchEnv:
     job_id: str | None = None  # SLURM_JOB_ID: the same on every node of one allocation
     allocated_nodes: int = 1  # SLURM_JOB_NUM_NODES: nodes in the allocation, inside a step or not
     gloo_socket_ifname: str | None = None  # GLOO_SOCKET_IFNAME: the interface gloo binds to
+    accelerate_fsdp: bool = False  # ACCELERATE_USE_FSDP: `accelerate launch` read a profile asking for FSDP
+    accelerate_use_cpu: bool = False  # ACCELERATE_USE_CPU: that profile's use_cpu
 
     @property
     def is_distributed(self) -> bool:
@@ -180,4 +182,6 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
         job_id=environ.get("SLURM_JOB_ID") or None,
         allocated_nodes=_int(environ, "SLURM_JOB_NUM_NODES", "SLURM_NNODES", default=1),
         gloo_socket_ifname=environ.get("GLOO_SOCKET_IFNAME") or None,
+        accelerate_fsdp=environ.get("ACCELERATE_USE_FSDP", "").lower() == "true",
+        accelerate_use_cpu=environ.get("ACCELERATE_USE_CPU", "").lower() == "true",
     )

@@ -2,7 +2,7 @@
 
     accelerate -> `accelerate launch --config_file X ...` (forced through its torchrun path on a machine
                   without GPUs, where a MULTI_CPU profile would otherwise start a single process)
-    ddp        -> `python -m torch.distributed.run` with the profile's topology
+    ddp, fsdp  -> `python -m torch.distributed.run` with the profile's topology
     dp, single -> one `python` process
 
 Every child gets TOOLKIT_ENGINE, so `build_accelerator()` inside the script picks the same engine.
@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 from toolkit import rendezvous
 from toolkit.engines import ENGINES
+
+TORCHRUN_ENGINES = ("ddp", "fsdp")  # one process per device, started by torchrun
 from toolkit.errors import UserError
 from toolkit.launch_env import LaunchEnv, read_launch_env
 from toolkit.profiles import Profile, check_profile, load_profile
@@ -102,8 +104,8 @@ def _rendezvous(profile: Profile) -> tuple[str, int, list[str]]:
 
 def _multi_node(profile: Profile, engine: str, environ) -> tuple[dict, list[str], list[str]]:
     """Environment, extra torchrun arguments and notes for one machine of a multi-node job."""
-    if engine not in ("accelerate", "ddp"):
-        raise UserError(f"the {engine} engine runs on one machine; use --engine ddp or accelerate for "
+    if engine not in ("accelerate", *TORCHRUN_ENGINES):
+        raise UserError(f"the {engine} engine runs on one machine; use --engine ddp, fsdp or accelerate for "
                         f"num_machines {profile.num_machines}.")
     env, args, notes = {}, [], []
     try:
@@ -118,7 +120,7 @@ def _multi_node(profile: Profile, engine: str, environ) -> tuple[dict, list[str]
         # torchrun guesses from this host's name whether it hosts the rendezvous store and what address the
         # other nodes reach it at; a name that resolves to 127.0.0.1 breaks both, so say it outright.
         args = ["--rdzv_conf", f"is_host={int(profile.machine_rank == 0)}"]
-        if engine == "ddp" and local_ip:
+        if engine in TORCHRUN_ENGINES and local_ip:
             args += ["--local_addr", local_ip]
     return env, args, notes
 
@@ -130,7 +132,7 @@ def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus:
         raise UserError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}.")
     environ = os.environ if environ is None else environ
     gpus = visible_gpus() if gpus is None else gpus
-    notes = check_devices(profile, gpus) if engine in ("accelerate", "ddp") else []
+    notes = check_devices(profile, gpus) if engine in ("accelerate", *TORCHRUN_ENGINES) else []
     env = {"TOOLKIT_ENGINE": engine, "ACCELERATE_MIXED_PRECISION": profile.mixed_precision}
     node_args = []
     if profile.num_machines > 1:
@@ -159,7 +161,7 @@ def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus:
             command += ["--max_restarts", str(max_restarts)]  # accelerate hands it to torchrun
         command += node_args
         return LaunchPlan(command + list(script_and_args), env, tuple(notes), 0 if multi else max_restarts)
-    if engine == "ddp":
+    if engine in TORCHRUN_ENGINES:
         host, port, rdzv_notes = _rendezvous(profile)
         command = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(profile.processes_per_machine),
                    "--nnodes", str(profile.num_machines)]

@@ -190,10 +190,11 @@ class ParityRecorder:
         from toolkit.weights import save_model
 
         engine = self.engine
+        states = [engine.get_state_dict(model) for model in self.models]  # every rank: fsdp gathers its shards
         if engine.is_main_process:
-            for index, model in enumerate(self.models):
+            for index, (model, state) in enumerate(zip(self.models, states)):
+                save_model(state, self.directory / MODEL_FILE.format(index=index))
                 module = engine.unwrap_model(model)
-                save_model(module, self.directory / MODEL_FILE.format(index=index))
                 self.buffer_names += [f"model{index}.{name}" if index else name for name, _ in module.named_buffers()]
             (self.directory / RECORD_FILE).write_text(json.dumps(self.record(), indent=1))
             engine.print(f"[toolkit] parity: stopped after {self.steps} optimizer steps as asked; "

@@ -61,11 +61,13 @@ class RunState:
 
     def save(self):
         accelerator = self.accelerator
+        # Every rank asks: under fsdp both calls gather the shards of the weights and optimizer state.
+        weights, optimizer_state = accelerator.get_state_dict(self.model), self.optimizer.state_dict()
         if accelerator.is_main_process:
             state = {"step": self.step, "epoch": self.epoch, "samples_in_epoch": self.batch * self.images_per_micro_step,
                      "world_size": accelerator.num_processes, "engine": accelerator.name, "config": self.config}
-            save_checkpoint(self.checkpoints, self.step, model=accelerator.unwrap_model(self.model),
-                            optimizer=self.optimizer, scheduler=self.scheduler, state=state, keep=self.keep,
+            save_checkpoint(self.checkpoints, self.step, model=weights, optimizer=optimizer_state,
+                            scheduler=self.scheduler, state=state, keep=self.keep,
                             scaler=getattr(accelerator, "scaler", None))
 
     def restore(self, resume: str | None):

@@ -4,8 +4,10 @@ a learning-rate schedule, BatchNorm statistics across ranks, and resuming mid-ep
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import signal
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +24,9 @@ def evaluate(model, loader, accelerator) -> dict:
     was_training = net.training
     net.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
-    with accelerator.autocast():
+    # A sharded (FSDP) model stays gathered meanwhile: ranks with one batch more than others then run
+    # it alone, with no collective waiting for peers.
+    with accelerator.autocast(), _full_parameters(net):
         for images, labels in loader:
             images, labels = images.to(accelerator.device), labels.to(accelerator.device)
             logits = net(images).float()
@@ -32,6 +36,14 @@ def evaluate(model, loader, accelerator) -> dict:
     correct, loss, count = accelerator.reduce(totals, "sum").tolist()
     net.train(was_training)
     return {"accuracy": correct / count, "loss": loss / count, "count": int(count)}
+
+
+def _full_parameters(net):
+    if "torch.distributed.fsdp" not in sys.modules:  # nothing can be sharded: skip importing FSDP
+        return contextlib.nullcontext()
+    from toolkit.engines.fsdp import full_parameters
+
+    return full_parameters(net)
 
 
 def warmup_linear_decay(total_steps: int, warmup_fraction: float = 0.2):

@@ -47,9 +47,25 @@ def save_model(model, path):
 
     >>> save_model(torch.nn.DataParallel(net), "net.safetensors")  # keys have no `module.`
     """
+    if isinstance(model, Mapping):  # a state dict, e.g. the full one an FSDP engine gathered
+        safetensors.torch.save_file(_one_name_per_storage(model), str(path), metadata={"format": "pt"})
+        return
     # safetensors.save_model drops duplicate names of tied tensors, makes tensors
     # contiguous and copies them to CPU, which plain save_file would not do.
     safetensors.torch.save_model(unwrap_model(model), str(path), metadata={"format": "pt"})
+
+
+def _one_name_per_storage(state_dict):
+    """What safetensors.save_model does for a module: tied tensors stored once (first name), contiguous, CPU."""
+    kept, seen = {}, set()
+    for name, tensor in state_dict.items():
+        tensor = tensor.detach()
+        storage = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if tensor.numel() and storage in seen:
+            continue
+        seen.add(storage)
+        kept[name] = tensor.cpu().contiguous()
+    return kept
 
 
 def load_model(model, path, strict=True):
@@ -67,8 +83,19 @@ def load_model(model, path, strict=True):
     if reshaped or (strict and (missing or unexpected)):
         source = "the given state dict" if isinstance(path, Mapping) else str(path)
         raise UserError(_mismatch_sentence(source, missing, unexpected, reshaped))
-    target.load_state_dict(weights, strict=False)
+    if _is_sharded(expected):
+        # An FSDP model: each rank takes its shards of the full tensors (a collective: every rank loads).
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(target, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+    else:
+        target.load_state_dict(weights, strict=False)
     return missing, unexpected
+
+
+def _is_sharded(state_dict):
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not loaded: nothing can be a DTensor
+    return dtensor is not None and any(isinstance(t, dtensor.DTensor) for t in state_dict.values())
 
 
 def _read_weights(source):
@@ -98,6 +125,7 @@ def _compare_keys(expected, weights):
     # key sharing its storage is in the file (the same rule safetensors.load_model uses).
     by_storage = {}
     for key, tensor in expected.items():
+        tensor = getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard on this rank
         if tensor.numel() and tensor.device.type != "meta":
             storage = (tensor.device, tensor.untyped_storage().data_ptr())
             by_storage.setdefault(storage, []).append(key)

@@ -5,6 +5,8 @@ Which engine runs, in order of precedence:
 2. the TOOLKIT_ENGINE environment variable (`toolkit launch --engine E` sets it for its children);
 3. "auto", from how the process was launched: `accelerate launch` -> accelerate; torchrun, the legacy
    torch.distributed.launch, toolkit.spawn, srun and mpirun -> ddp; plain `python` -> single.
+An accelerate engine asked for FSDP (an FSDP profile) where accelerate cannot run it (no CUDA) becomes the
+fsdp engine, with a one-line notice: accelerate itself would train DDP without a word.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ ENGINES = {
     "accelerate": "toolkit.engines.accelerate_engine:AccelerateEngine",
     "ddp": "toolkit.engines.ddp:RawDDPEngine",
     "dp": "toolkit.engines.dp:DataParallelEngine",
+    "fsdp": "toolkit.engines.fsdp:FSDPEngine",
     "single": "toolkit.engines.single:SingleEngine",
 }
 AUTO_BY_LAUNCHER = {
@@ -30,6 +33,18 @@ AUTO_BY_LAUNCHER = {
     "mpi": "ddp",
     "python": "single",
 }
+
+
+# Accelerate 1.16 turns FSDP on only for GPU-type states: on CPU (no CUDA, or use_cpu) it trains plain DDP.
+FSDP_WITHOUT_CUDA = ("accelerate runs FSDP only on GPUs (here it would train plain DDP): this FSDP profile trains "
+                     "with the toolkit's fsdp engine instead (FSDP2 over gloo).")
+
+
+def accelerate_drops_fsdp(use_cpu: bool = False) -> bool:
+    """True where accelerate would quietly replace an FSDP profile's sharding by DDP."""
+    import torch
+
+    return bool(use_cpu) or not torch.cuda.is_available()
 
 
 def resolve_engine(engine: str | None, env: LaunchEnv) -> str:
@@ -64,6 +79,10 @@ def build_accelerator(engine: str = "auto", **kwargs):
 
         pin_gloo_interface(env.master_addr)
     name = resolve_engine(engine, env)
+    if name == "accelerate" and env.accelerate_fsdp and accelerate_drops_fsdp(env.accelerate_use_cpu or kwargs.get("cpu")):
+        if env.rank == 0:
+            print(f"[toolkit] {FSDP_WITHOUT_CUDA}", flush=True)
+        name = "fsdp"
     module_name, class_name = ENGINES[name].split(":")
     engine_class = getattr(importlib.import_module(module_name), class_name)
     built = engine_class(env, **kwargs)

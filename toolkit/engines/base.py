@@ -323,6 +323,11 @@ class TorchEngine:
 
         return unwrap_model(model)
 
+    def get_state_dict(self, model, unwrap: bool = True):
+        """Accelerate's name: the model's full state dict on the main process (a replicated model holds it
+        whole on every rank; the fsdp engine gathers its shards). Call it on every rank."""
+        return (self.unwrap_model(model) if unwrap else model).state_dict()
+
     # -- training step -------------------------------------------------------------------------------
     @contextlib.contextmanager
     def accumulate(self, *models):
