@@ -97,10 +97,10 @@ def test_toolkit_env_says_what_an_fsdp_profile_runs():
     assert collect(str(CONFIGS / "fsdp.yaml"), environ={"TOOLKIT_ENGINE": "fsdp"})["toolkit_launch"]["runs"] == "fsdp"
 
 
-# The recipe at its default batch (128 per process: 256 a step at world 2), 12 steps of epoch 0 (19 steps long),
+# The recipe at global batch 256 (128 per process at world 2), 12 steps of epoch 0 (19 steps long),
 # a full checkpoint every 4: steps 4 and 8 are mid-epoch resume points.
 RECIPE = [CIFAR, "--dataset", "synthetic", "--model", "tiny", "--epochs", 1, "--max-steps", 12,
-          "--checkpoint-every", 4, "--keep", 100]
+          "--global-batch-size", 256, "--checkpoint-every", 4, "--keep", 100]
 # Resumed runs follow the fsdp run's trajectory: measured 0 (ddp, accelerate: the same arithmetic) and <= 1e-7
 # (one process at batch 256: the rounding of one mean against two) on every loss; a wrong resume (position,
 # momentum, weights) moves the first losses by 1e-2 or more (tests/test_recipe.py measured 6e-2).
@@ -142,7 +142,7 @@ def test_fsdp_checkpoint_resumes_under_ddp_single_and_accelerate_and_back(tmp_pa
     at4 = fsdp_run / "checkpoints" / "step-00000004"
     assert json.loads((at4 / "state.json").read_text())["engine"] == "fsdp"
     recipe(TORCHRUN + ["--master_port", free_port()], tmp_path / "ddp", "--engine", "ddp", "--resume", at4)
-    recipe([PY], tmp_path / "single", "--engine", "single", "--batch-size", 256, "--resume", at4)
+    recipe([PY], tmp_path / "single", "--engine", "single", "--resume", at4)
     recipe(ACCELERATE + ["--config_file", CPU], tmp_path / "accelerate", "--resume", at4)
     at8 = tmp_path / "single" / "checkpoints" / "step-00000008"
     recipe(TORCHRUN + ["--master_port", free_port()], tmp_path / "back", "--engine", "fsdp", "--resume", at8)
