@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import toolkit
-from toolkit.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from toolkit.checkpoint import gather_rng_states, latest_checkpoint, load_checkpoint, save_checkpoint
 from toolkit.data import MemoryLoader, build_torch_loader, load_data
 from toolkit.errors import RunFailure, UserError
 from toolkit.models import MODELS, build_model
@@ -125,13 +125,14 @@ class Run:
         return Path(self.cfg.output_dir) / "checkpoints"
 
     def save(self):
+        rng_states = gather_rng_states()  # every rank's own RNG streams (a collective: all ranks call save)
         if self.accelerator.is_main_process:
             state = {"step": self.step, "epoch": self.epoch, "samples_in_epoch": self.batch * self.samples_per_batch,
                      "world_size": self.accelerator.num_processes, "engine": self.accelerator.name,
                      "config": asdict(self.cfg)}
             save_checkpoint(self.checkpoints, self.step, model=self.accelerator.unwrap_model(self.model),
                             optimizer=self.optimizer, scheduler=self.scheduler, state=state, keep=self.cfg.keep,
-                            scaler=getattr(self.accelerator, "scaler", None))
+                            scaler=getattr(self.accelerator, "scaler", None), rng_states=rng_states)
 
     def restore(self):
         """Continue from --resume (or from the latest checkpoint after a torchrun/toolkit launch restart)."""
@@ -244,9 +245,12 @@ def main(argv=None):
     summary = records.summary(
         test_accuracy=metrics["accuracy"], test_loss=metrics["loss"], test_count=metrics["count"], steps=run.step,
         images_per_s=round(run.images / run.seconds, 1) if run.seconds else None, engine=accelerator.name,
-        world_size=accelerator.num_processes, mixed_precision=accelerator.mixed_precision, config=asdict(cfg))
+        world_size=accelerator.num_processes, mixed_precision=accelerator.mixed_precision, config=asdict(cfg),
+        skipped_steps=accelerator.skipped_steps)
     records.close()
-    accelerator.print(f"done: test accuracy {summary['test_accuracy']}, {summary['images_per_s']} images/s")
+    accelerator.print(f"done: test accuracy {summary['test_accuracy']}, {summary['images_per_s']} images/s"
+                      + (f", {summary['skipped_steps']} optimizer step(s) skipped (fp16 overflow or non-finite loss)"
+                         if summary["skipped_steps"] else ""))
     accelerator.end_training()
     return summary
 

@@ -167,6 +167,8 @@ def test_dp_replica_threads_keep_the_autocast_dtype(fake_cuda, monkeypatch):
 
 def test_each_rank_restores_its_own_rng_state(tmp_path):
     # Defect 9: every rank restored rank 0's RNG state (CUDA on GPUs; the CPU generator shows it here).
-    proc = run(["torchrun", "--nproc_per_node", "2", "--master_port", "0", SCRIPTS / "rng_ranks.py", tmp_path],
+    from toolkit.launcher import free_port
+
+    proc = run(["torchrun", "--nproc_per_node", "2", "--master_port", free_port(), SCRIPTS / "rng_ranks.py", tmp_path],
                timeout=120)
     assert proc.stdout.count("own rng restored") == 2, proc.stdout
