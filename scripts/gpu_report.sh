@@ -14,9 +14,9 @@ cd "$(dirname "$0")/.."
 REPORT=${1:-benchmarks/out/gpu_report.md}
 OUT=$(dirname "$REPORT")/gpu_report_parts
 STEPS=(
-  "timeout 300 python -m pytest -m gpu -rA -q tests/test_gpu.py --junitxml=$OUT/tests.xml"
-  "timeout 150 python benchmarks/model_throughput.py --device cuda --models resnet9,resnet18 --budget-s 120 --out $OUT/model_throughput"
-  "timeout 60 python benchmarks/data_loading.py --device cuda --out $OUT/data_loading"
+  "timeout 240 python -m pytest -m gpu -rA -q tests/test_gpu.py --junitxml=$OUT/tests.xml"
+  "timeout 180 python benchmarks/model_throughput.py --device cuda --models resnet9,resnet18 --budget-s 150 --out $OUT/model_throughput"
+  "timeout 45 python benchmarks/data_loading.py --device cuda --out $OUT/data_loading"
 )
 if [[ "${GPU_REPORT_DRY_RUN:-0}" == 1 ]]; then printf '%s\n' "${STEPS[@]}"; exit 0; fi
 if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
