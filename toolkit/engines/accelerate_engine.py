@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import functools
 import random
+import types
 
 import torch
 from accelerate import Accelerator
@@ -42,7 +43,7 @@ def _count_skipped_steps(optimizer, engine):
     count the steps the scaler skips on overflow."""
     step = optimizer.step
 
-    def guarded(*args, **kwargs):
+    def guarded(_self, *args, **kwargs):
         if not engine.accelerator.sync_gradients:
             return step(*args, **kwargs)
         if optimizer.scaler is not None and not has_gradients(optimizer.optimizer):
@@ -53,7 +54,7 @@ def _count_skipped_steps(optimizer, engine):
         engine.skipped_steps += bool(optimizer.step_was_skipped)
         return result
 
-    optimizer.step = guarded
+    optimizer.step = types.MethodType(guarded, optimizer)  # a bound method: accelerate reads step.__func__
 
 
 class AccelerateEngine:
@@ -102,7 +103,7 @@ class AccelerateEngine:
     def prepare(self, *objects, **kwargs):
         prepared = self.accelerator.prepare(*objects, **kwargs)
         for obj in prepared if isinstance(prepared, tuple) else (prepared,):
-            if hasattr(obj, "step_was_skipped") and hasattr(obj, "scaler"):
+            if hasattr(obj, "step_was_skipped") and getattr(obj, "scaler", None) is not None:
                 _count_skipped_steps(obj, self)
         self._recorder.prepared(prepared if len(objects) != 1 else (prepared,))
         return prepared
