@@ -1,6 +1,6 @@
 """Engine overhead: images/s of each engine's training step divided by a hand-written PyTorch loop.
 
-    python benchmarks/engine_overhead.py                  # tiny and resnet9, about 2 minutes on 2 CPU cores
+    python benchmarks/engine_overhead.py                  # tiny and resnet9, about 5 minutes on 2 CPU cores
     python benchmarks/engine_overhead.py --quick          # tiny only, about 10 s
     python benchmarks/engine_overhead.py --models resnet18 --batch-size 256   # on a GPU machine
 
