@@ -91,20 +91,36 @@ def best_ratio(times: dict[str, list[float]], side: str, over: str) -> float:
     return min(times[over]) / min(times[side])
 
 
+def ratio_spread(times: dict[str, list[float]], side: str, over: str) -> tuple[float, float]:
+    """The lower and upper quartile of the per-round ratios behind paired_ratio's median: how far one
+    round's ratio strays, so a reader sees whether a target lies inside the noise."""
+    ratios = [t_over / t_side for t_side, t_over in zip(times[side], times[over])]
+    if len(ratios) < 2:
+        return ratios[0], ratios[0]
+    quartiles = statistics.quantiles(ratios, n=4, method="inclusive")
+    return quartiles[0], quartiles[2]
+
+
 def per_second(items: float, seconds: list[float]) -> float:
     """Items per second at the median time of a call that handles `items` items."""
     return items / statistics.median(seconds)
 
 
-def calls_for(step: Callable[[], object], block_s: float, sync: Callable[[], object] = lambda: None) -> int:
-    """How many calls of `step` fill about `block_s` seconds (timed on two calls after one warm-up)."""
+def calls_for(step: Callable[[], object], block_s: float, sync: Callable[[], object] = lambda: None,
+              min_calls: int = 1) -> int:
+    """How many calls of `step` fill about `block_s` seconds (timed on two calls after one warm-up), and at
+    least `min_calls`: a block of one slow call is one noisy sample, not a measurement."""
+    return max(min_calls, round(block_s / seconds_per_call(step, sync)))
+
+
+def seconds_per_call(step: Callable[[], object], sync: Callable[[], object] = lambda: None) -> float:
     step()
     sync()
     start = time.perf_counter()
     step()
     step()
     sync()
-    return max(1, round(block_s / max((time.perf_counter() - start) / 2, 1e-9)))
+    return max((time.perf_counter() - start) / 2, 1e-9)
 
 
 # ----------------------------------------------------------------------------------------------- ratios

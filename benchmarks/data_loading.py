@@ -34,7 +34,8 @@ from toolkit.data import (
 )
 from toolkit.errors import UserError
 
-TARGET = 10.0  # memory loader images/s over the DataLoader + PIL pipeline's
+TARGET = 10.0  # memory loader images/s over the DataLoader + PIL pipeline's, on CPU
+GPU_TARGET = 100.0  # the same ratio with --device cuda (the loader resident on the GPU); not yet measured
 REFERENCE = "torch + PIL"
 
 
@@ -47,7 +48,11 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the memory loader (default 1; "
                         "give the DataLoader as many --workers for a fair ratio)")
     parser.add_argument("--rounds", type=int, default=None, help="timed epochs per loader (default 7; --quick 3)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where batches end up (default "
+                        "cpu); cuda: the memory loader lives on the GPU, the DataLoaders' batches are copied there")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda needs a visible CUDA GPU; run on a GPU machine or use --device cpu.")
     args.images = args.images or (2048 if args.quick else 20000)
     args.rounds = args.rounds or (3 if args.quick else 7)
     if min(args.batch_size, args.rounds, args.threads) < 1 or args.workers < 0 or args.images < args.batch_size:
@@ -82,15 +87,20 @@ def pil_loader(images, labels, batch_size: int, workers: int) -> torch.utils.dat
                                        drop_last=True, num_workers=workers, persistent_workers=workers > 0)
 
 
-def one_epoch(loader):
-    """A callable that runs one epoch of `loader` (a new epoch each call) and drops the batches."""
+def one_epoch(loader, device="cpu"):
+    """A callable that runs one epoch of `loader` (a new epoch each call), moves each batch to `device` and
+    drops it; on a GPU it waits for the device at the end, so queued work is timed too."""
     epochs = iter(range(10**9))
+    cuda = torch.device(device).type == "cuda"
 
     def run():
         if isinstance(loader, MemoryLoader):
             loader.set_epoch(next(epochs))
-        for _ in loader:
-            pass
+        for x, y in loader:
+            if cuda:
+                x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if cuda:
+            torch.cuda.synchronize()
 
     return run
 
@@ -101,10 +111,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     data = make_synthetic(num_train=args.images, num_test=1, seed=0)
     x, y, batch = data.train_x, data.train_y, args.batch_size
-    loaders = {"memory": MemoryLoader(x, y, batch, seed=0),
+    loaders = {"memory": MemoryLoader(x, y, batch, seed=0, device=args.device),
                REFERENCE: pil_loader(x, y, batch, args.workers),
                "torch + v2": build_torch_loader(x, y, batch, train=True, seed=0, num_workers=args.workers)}
-    epochs = {name: one_epoch(loader) for name, loader in loaders.items()}
+    epochs = {name: one_epoch(loader, args.device) for name, loader in loaders.items()}
     for run in epochs.values():  # warm-up: starts the persistent workers, fills caches
         run()
     times = common.time_interleaved(epochs, args.rounds)
@@ -114,7 +124,8 @@ def main(argv=None) -> int:
     for name in loaders:
         if name != "memory":
             ratios.append(common.Ratio(f"memory / {name}", common.paired_ratio(times, "memory", over=name),
-                                       TARGET if name == REFERENCE else None))
+                                       (GPU_TARGET if args.device == "cuda" else TARGET) if name == REFERENCE
+                                       else None))
         relative = common.paired_ratio(times, name, over=REFERENCE)
         rows.append([name, common.per_second(per_epoch, times[name]), f"{relative:.2f}"])
     notes = [

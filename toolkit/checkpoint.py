@@ -68,13 +68,35 @@ def set_rng_state(state):
             torch.cuda.set_rng_state(device_state.cpu(), device)
 
 
+def gather_rng_states():
+    """Every rank's rng_state(), in rank order (a collective: call it on every rank before rank 0 saves).
+
+    >>> states = gather_rng_states(); len(states) == max(1, torch.distributed.get_world_size())
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [rng_state()]
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, rng_state())
+    return states
+
+
+def _current_rank():
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def save_checkpoint(root, step, *, model, optimizer=None, scheduler=None, scaler=None,
-                    state=None, keep=None):
+                    state=None, keep=None, rng_states=None):
     """Atomically write checkpoint `root/step-{step:08d}`, point `root/latest` at it, prune to `keep`.
 
     `state` is a JSON-able dict (epoch, position, config, ...); `step` is added to it. `model` is a module
     or its state dict (`accelerator.get_state_dict(model)`: the full weights of a sharded model), and
-    optimizer/scheduler/scaler are objects or their state dicts. Returns the new folder's Path.
+    optimizer/scheduler/scaler are objects or their state dicts. 
+    `rng_states` (from gather_rng_states(), one per rank) lets each rank restore its own RNG streams
+    (CUDA ones included) on resume; without it only this process's are saved. Returns the new folder's Path.
 
     >>> save_checkpoint("ckpt", 100, model=net, optimizer=opt, state={"epoch": 1}, keep=3)
     PosixPath('ckpt/step-00000100')
@@ -92,7 +114,7 @@ def save_checkpoint(root, step, *, model, optimizer=None, scheduler=None, scaler
     temp.mkdir()
     try:
         stateful = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
-        _write_contents(temp, model, stateful, {"step": step, **(state or {})})
+        _write_contents(temp, model, stateful, {"step": step, **(state or {})}, rng_states)
         _publish(temp, final)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
@@ -103,9 +125,9 @@ def save_checkpoint(root, step, *, model, optimizer=None, scheduler=None, scaler
     return final
 
 
-def _write_contents(folder, model, stateful, state):
+def _write_contents(folder, model, stateful, state, rng_states=None):
     state_json = json.dumps(state, indent=2) + "\n"  # fails before gigabytes are written
-    rng = rng_state()
+    rng = {"ranks": list(rng_states or [rng_state()])}
     save_model(model, folder / "model.safetensors")
     for name, obj in stateful.items():
         if obj is not None:
@@ -279,10 +301,17 @@ def load_checkpoint(path, *, model=None, optimizer=None, scheduler=None, scaler=
     if model is not None:
         load_model(model, path / "model.safetensors")
     for name, obj in zip(_STATEFUL, (optimizer, scheduler, scaler)):
-        if obj is not None:
-            obj.load_state_dict(_load_pt(path / f"{name}.pt", map_location))
+        if obj is None:
+            continue
+        if name == "scaler" and not (path / "scaler.pt").is_file():
+            # A bf16 or CPU run saved no scaler: fp16 resumes with a fresh one, which calibrates its scale
+            # within the first steps (an overflow skips a step and halves it).
+            print(f"[toolkit] {path} has no fp16 loss scaler (saved without fp16): starting a fresh one.",
+                  file=sys.stderr)
+            continue
+        obj.load_state_dict(_load_pt(path / f"{name}.pt", map_location))
     if restore_rng and (path / "rng.pt").is_file():
-        set_rng_state(_load_pt(path / "rng.pt", "cpu"))
+        _restore_own_rng(_load_pt(path / "rng.pt", "cpu"), path)
     try:
         state = json.loads((path / "state.json").read_text())
     except (OSError, ValueError) as error:
@@ -300,6 +329,19 @@ def read_state(path) -> dict:
     'resnet18'
     """
     return json.loads((_resolve_checkpoint(Path(path)) / "state.json").read_text())
+
+
+def _restore_own_rng(saved, path):
+    """Restore this rank's RNG state: rank r's entry of a per-rank list (older checkpoints hold one state)."""
+    if "ranks" not in saved:
+        set_rng_state(saved)
+        return
+    rank, states = _current_rank(), saved["ranks"]
+    if rank < len(states):
+        set_rng_state(states[rank])
+    else:  # the world grew since the save: this rank has no saved streams and keeps its seeded ones
+        print(f"[toolkit] {path} holds RNG states for {len(states)} rank(s); rank {rank} keeps its seeded RNG.",
+              file=sys.stderr)
 
 
 def _resolve_checkpoint(path):

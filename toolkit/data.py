@@ -11,6 +11,7 @@ for "crop-flip"; flips are wrong for digits and text, so "crop" and "none" exist
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,9 +183,15 @@ def normalize(x: torch.Tensor) -> torch.Tensor:
     Same operations in the same order as v2.ToDtype(scale=True) + v2.Normalize, so both loaders
     give bit-identical inputs.
     """
-    mean = torch.tensor(CIFAR_MEAN, device=x.device).view(-1, 1, 1)
-    std = torch.tensor(CIFAR_STD, device=x.device).view(-1, 1, 1)
+    mean, std = _norm_constants(x.device)
     return x.to(torch.float32).mul_(1.0 / 255).sub_(mean).div_(std)
+
+
+@functools.cache
+def _norm_constants(device: torch.device):
+    """Built once per device: a fresh torch.tensor on a GPU is a host-to-device copy every batch."""
+    return (torch.tensor(CIFAR_MEAN, device=device).view(-1, 1, 1),
+            torch.tensor(CIFAR_STD, device=device).view(-1, 1, 1))
 
 
 def augment_batch(x: torch.Tensor, generator: torch.Generator, augment: str = "crop-flip") -> torch.Tensor:
@@ -285,7 +292,7 @@ class MemoryLoader:
             self.samples_per_epoch = min(self._batches * global_batch, usable)
             self.num_samples = self.samples_per_epoch // world_size
         else:
-            self._shard = torch.arange(rank, n, world_size)
+            self._shard = torch.arange(rank, n, world_size, device=device)  # on the device: no copy per batch
             keep = lambda count: count // batch_size * batch_size if self.drop_last else count
             self.num_samples = keep(len(self._shard))
             self._batches = math.ceil(self.num_samples / batch_size)
@@ -314,19 +321,20 @@ class MemoryLoader:
         generator = torch.Generator().manual_seed(_mix(self.seed, self.epoch))
         perm = torch.randperm(len(self.images), generator=generator)
         augment = _draw_augment(len(perm), generator, self.device, self.augment)  # one per position in the epoch
+        perm = perm.to(self.device)  # copied once per epoch; every step below indexes on the device
         global_batch = self.world_size * self.batch_size
         for step in range(start, self._batches):
             # This rank's positions in the epoch order: every W-th of global step `step`'s.
             end = min((step + 1) * global_batch, self.samples_per_epoch)
-            positions = torch.arange(step * global_batch + self.rank, end, self.world_size)
-            idx = perm[positions].to(self.device)
-            dy, dx, flip = (a[positions.to(self.device)] for a in augment)
+            positions = torch.arange(step * global_batch + self.rank, end, self.world_size, device=self.device)
+            idx = perm[positions]
+            dy, dx, flip = (a[positions] for a in augment)
             yield normalize(_crop_flip(self.images[idx], dy, dx, flip)), self.labels[idx]
 
     def _eval_batches(self, start: int):
         shard = self._shard[: self.num_samples]
         for step in range(start, self._batches):
-            idx = shard[step * self.batch_size:(step + 1) * self.batch_size].to(self.device)
+            idx = shard[step * self.batch_size:(step + 1) * self.batch_size]
             yield normalize(self.images[idx]), self.labels[idx]
 
 

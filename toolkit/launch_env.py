@@ -35,7 +35,7 @@ class LaunchEnv:
     world_size: int
     local_world_size: int
     node_rank: int
-    device: str  # "cuda:<local_rank>" when CUDA is visible, else "cpu"
+    device: str  # "cuda:<local_rank>" when CUDA is visible (cuda:0 when it is the only one), else "cpu"
     master_addr: str | None = None
     master_port: int | None = None
     # `accelerate launch` gave us MASTER_ADDR/PORT but no WORLD_SIZE: it was asked for several processes
@@ -50,7 +50,7 @@ class LaunchEnv:
     allocated_nodes: int = 1  # SLURM_JOB_NUM_NODES: nodes in the allocation, inside a step or not
     gloo_socket_ifname: str | None = None  # GLOO_SOCKET_IFNAME: the interface gloo binds to
     accelerate_fsdp: bool = False  # ACCELERATE_USE_FSDP: `accelerate launch` read a profile asking for FSDP
-    accelerate_use_cpu: bool = False  # ACCELERATE_USE_CPU: that profile's use_cpu
+    use_cpu: bool = False  # ACCELERATE_USE_CPU: the profile asked for the CPU, GPUs or not
 
     @property
     def is_distributed(self) -> bool:
@@ -100,10 +100,13 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
-def _device(local_rank: int) -> str:
+def _device(local_rank: int, use_cpu: bool) -> str:
     import torch
 
-    return f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    if use_cpu or not torch.cuda.is_available():
+        return "cpu"
+    # One visible GPU per rank (srun --gpus-per-task=1, --gpu-bind, MPI wrappers): that one is this rank's.
+    return f"cuda:{local_rank if torch.cuda.device_count() > 1 else 0}"
 
 
 def _slurm_step(environ: Mapping[str, str]) -> tuple:
@@ -129,6 +132,8 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
     master_addr = environ.get("MASTER_ADDR") or None
     master_port = _int(environ, "MASTER_PORT")
     engine = environ.get("TOOLKIT_ENGINE") or None
+    # A use_cpu or MULTI_CPU profile: the launchers set it, and it wins over any GPU on the host.
+    use_cpu = environ.get("ACCELERATE_USE_CPU", "").strip().lower() in ("1", "true", "yes", "y", "on")
 
     if "RANK" in environ and "WORLD_SIZE" in environ:  # torchrun, accelerate launch, legacy launch
         if by_accelerate:
@@ -169,7 +174,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
         world_size=world_size,
         local_world_size=local_world,
         node_rank=node_rank,
-        device=_device(local_rank),
+        device=_device(local_rank, use_cpu),
         master_addr=master_addr,
         master_port=master_port,
         # WORLD_SIZE absent: a torchrun-started world of 1 is a real (if small) group, not a lost one.
@@ -183,5 +188,5 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
         allocated_nodes=_int(environ, "SLURM_JOB_NUM_NODES", "SLURM_NNODES", default=1),
         gloo_socket_ifname=environ.get("GLOO_SOCKET_IFNAME") or None,
         accelerate_fsdp=environ.get("ACCELERATE_USE_FSDP", "").lower() == "true",
-        accelerate_use_cpu=environ.get("ACCELERATE_USE_CPU", "").lower() == "true",
+        use_cpu=use_cpu,
     )

@@ -134,13 +134,24 @@ def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus:
     gpus = visible_gpus() if gpus is None else gpus
     notes = check_devices(profile, gpus) if engine in ("accelerate", *TORCHRUN_ENGINES) else []
     env = {"TOOLKIT_ENGINE": engine, "ACCELERATE_MIXED_PRECISION": profile.mixed_precision}
+    cpu_profile = profile.use_cpu or profile.distributed_type == "MULTI_CPU"
+    if cpu_profile:
+        env["ACCELERATE_USE_CPU"] = "true"  # every engine (and accelerate itself) trains on CPU, GPUs or not
     node_args = []
     if profile.num_machines > 1:
         node_env, node_args, node_notes = _multi_node(profile, engine, environ)
         env.update(node_env)
         notes += node_notes
-    if profile.gpu_ids not in (None, "all"):
-        env["CUDA_VISIBLE_DEVICES"] = profile.gpu_ids
+    if profile.gpu_ids not in (None, "all") and not cpu_profile:
+        # gpu_ids index the GPUs this process sees: under an inherited CUDA_VISIBLE_DEVICES (a scheduler's
+        # allocation) they are positions in that list, not physical ids.
+        inherited = environ.get("CUDA_VISIBLE_DEVICES")
+        if inherited:
+            visible = [d.strip() for d in inherited.split(",") if d.strip()]
+            ids = [int(i) for i in profile.gpu_ids.split(",") if i.strip().isdigit()]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] for i in ids if i < len(visible))
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = profile.gpu_ids
     python = sys.executable
     if engine == "accelerate":
         # Every topology value goes on the command line: the profile's file may hold others (SLURM's node
@@ -151,7 +162,8 @@ def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus:
         if profile.num_machines > 1:
             command += ["--main_process_ip", profile.main_process_ip,
                         "--main_process_port", str(profile.main_process_port or MULTI_NODE_PORT)]
-        if profile.num_processes > 1 and profile.distributed_type in ("MULTI_CPU", "NO") and gpus == 0:
+        if profile.num_processes > 1 and (profile.distributed_type in ("MULTI_CPU", "NO") and gpus == 0
+                                          or profile.distributed_type == "MULTI_CPU"):
             command.append("--multi_gpu")  # accelerate's torchrun path; the engine makes it a gloo group
             notes.append("MULTI_CPU without mpirun starts one process in accelerate: routed through torchrun.")
         if profile.main_process_port is None and profile.num_machines == 1:

@@ -183,9 +183,11 @@ def finish(run: RunState, cfg, records, metrics: dict, **extra) -> dict:
         images_per_s=run.throughput.images_per_s, warmup_s=round(run.throughput.warmup_s, 3),
         warmup_steps=min(run.throughput.steps, run.throughput.warmup_steps), engine=accelerator.name,
         world_size=accelerator.num_processes, global_batch_size=plan.global_batch, micro_batch_size=plan.micro_batch,
-        gradient_accumulation=plan.accumulation, mixed_precision=accelerator.mixed_precision, **extra,
-        config=asdict(cfg))
+        gradient_accumulation=plan.accumulation, mixed_precision=accelerator.mixed_precision,
+        skipped_steps=getattr(accelerator, "skipped_steps", 0), **extra, config=asdict(cfg))
     records.close()
-    accelerator.print(f"done: test accuracy {summary['test_accuracy']}, {summary['images_per_s']} images/s")
+    skipped = summary["skipped_steps"]
+    accelerator.print(f"done: test accuracy {summary['test_accuracy']}, {summary['images_per_s']} images/s"
+                      + (f", {skipped} optimizer step(s) skipped (fp16 overflow or non-finite loss)" if skipped else ""))
     accelerator.end_training()
     return summary

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from toolkit.batching import BatchPlan
-from toolkit.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint
+from toolkit.checkpoint import gather_rng_states, latest_checkpoint, load_checkpoint, read_state, save_checkpoint
 from toolkit.errors import RunFailure, UserError
 from toolkit.records import Throughput
 from toolkit.training import is_peer_failure, peer_failure_message, resume_position, step_status
@@ -63,12 +63,13 @@ class RunState:
         accelerator = self.accelerator
         # Every rank asks: under fsdp both calls gather the shards of the weights and optimizer state.
         weights, optimizer_state = accelerator.get_state_dict(self.model), self.optimizer.state_dict()
+        rng_states = gather_rng_states()  # every rank's own RNG streams (a collective too)
         if accelerator.is_main_process:
             state = {"step": self.step, "epoch": self.epoch, "samples_in_epoch": self.batch * self.images_per_micro_step,
                      "world_size": accelerator.num_processes, "engine": accelerator.name, "config": self.config}
             save_checkpoint(self.checkpoints, self.step, model=weights, optimizer=optimizer_state,
                             scheduler=self.scheduler, state=state, keep=self.keep,
-                            scaler=getattr(accelerator, "scaler", None))
+                            scaler=getattr(accelerator, "scaler", None), rng_states=rng_states)
 
     def restore(self, resume: str | None):
         """Continue from `resume` ("auto" or a checkpoint path), or from the latest checkpoint after a

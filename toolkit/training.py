@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import signal
 import sys
 
@@ -163,7 +164,8 @@ def step_status(loss, stop: StopRequest, accelerator):
     rank was asked to stop). All ranks get the same answer, so they skip or stop together."""
     mine = torch.stack([loss.detach().float().reshape(()),
                         torch.tensor(float(stop.requested), device=loss.device)]).unsqueeze(0)
-    everyone = accelerator.gather(mine)
-    losses = everyone[:, 0]
-    bad = [rank for rank, finite in enumerate(torch.isfinite(losses).tolist()) if not finite]
-    return losses, bad, bool(everyone[:, 1].any())
+    # One host sync per micro-step (it was three): the skip decision must be known before backward.
+    rows = accelerator.gather(mine).tolist()
+    losses = [row[0] for row in rows]
+    bad = [rank for rank, loss in enumerate(losses) if not math.isfinite(loss)]
+    return torch.tensor(losses), bad, any(row[1] for row in rows)

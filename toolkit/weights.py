@@ -34,7 +34,7 @@ def unwrap_model(model):
     compiled = (eval_frame.OptimizedModule,) if eval_frame else ()
     parallel = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
     while True:
-        if isinstance(model, parallel):
+        if isinstance(model, parallel) or getattr(type(model), "is_toolkit_wrapper", False):
             model = model.module
         elif compiled and isinstance(model, compiled):
             model = model._orig_mod

@@ -79,7 +79,7 @@ def build_accelerator(engine: str = "auto", **kwargs):
 
         pin_gloo_interface(env.master_addr)
     name = resolve_engine(engine, env)
-    if name == "accelerate" and env.accelerate_fsdp and accelerate_drops_fsdp(env.accelerate_use_cpu or kwargs.get("cpu")):
+    if name == "accelerate" and env.accelerate_fsdp and accelerate_drops_fsdp(env.use_cpu or kwargs.get("cpu")):
         if env.rank == 0:
             print(f"[toolkit] {FSDP_WITHOUT_CUDA}", flush=True)
         name = "fsdp"

@@ -11,12 +11,15 @@ from __future__ import annotations
 import datetime
 import functools
 import random
+import types
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 
 from toolkit import errors
+from toolkit.engines.base import cpu_requested, has_gradients
+from toolkit.engines.ddp import nccl_error_handling
 from toolkit.errors import UserError
 from toolkit.parity_capture import build_recorder
 
@@ -35,6 +38,26 @@ def _cache_lomo_probe():
             module.is_lomo_available = functools.cache(probe)
 
 
+def _count_skipped_steps(optimizer, engine):
+    """Wrap an AcceleratedOptimizer's step: with a GradScaler and no backward since the last step
+    (--skip-nonfinite), scaler.step would raise "No inf checks were recorded"; skip it and count it, and
+    count the steps the scaler skips on overflow."""
+    step = optimizer.step
+
+    def guarded(_self, *args, **kwargs):
+        if not engine.accelerator.sync_gradients:
+            return step(*args, **kwargs)
+        if optimizer.scaler is not None and not has_gradients(optimizer.optimizer):
+            optimizer._is_overflow = True  # what step_was_skipped reports
+            engine.skipped_steps += 1
+            return None
+        result = step(*args, **kwargs)
+        engine.skipped_steps += bool(optimizer.step_was_skipped)
+        return result
+
+    optimizer.step = types.MethodType(guarded, optimizer)  # a bound method: accelerate reads step.__func__
+
+
 class AccelerateEngine:
     """Every call goes to the Accelerator (`engine.accelerator`); anything not listed here is forwarded."""
 
@@ -43,8 +66,10 @@ class AccelerateEngine:
     def __init__(self, env, *, timeout: float | None = None, **kwargs):
         self.env = env
         self.seed = 0
-        if not torch.cuda.is_available():
-            kwargs.setdefault("cpu", True)
+        if cpu_requested(kwargs.get("cpu", False)):  # no CUDA, or a CPU profile on a GPU host
+            kwargs["cpu"] = True
+        elif torch.cuda.is_available():
+            nccl_error_handling()
         if kwargs.get("mixed_precision") == "fp16" and (kwargs.get("cpu") or not torch.cuda.is_available()):
             raise UserError("fp16 mixed precision needs a CUDA device; use bf16 (or no) on CPU.")
         # Seeded sampling makes the data order a function of (seed, epoch), the same as the other engines.
@@ -74,8 +99,13 @@ class AccelerateEngine:
         lambda self, value: setattr(self.accelerator, "sync_gradients", value),
     )
 
+    skipped_steps = 0  # optimizer steps not applied (fp16 overflow, or no backward at all)
+
     def prepare(self, *objects, **kwargs):
         prepared = self.accelerator.prepare(*objects, **kwargs)
+        for obj in prepared if isinstance(prepared, tuple) else (prepared,):
+            if hasattr(obj, "step_was_skipped") and getattr(obj, "scaler", None) is not None:
+                _count_skipped_steps(obj, self)
         self._recorder.prepared(prepared if len(objects) != 1 else (prepared,))
         return prepared
 

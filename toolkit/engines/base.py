@@ -70,10 +70,17 @@ class PreparedOptimizer(torch.optim.Optimizer):
             self.optimizer.step(closure)
             self.step_was_skipped = False
             return
+        if not has_gradients(self.optimizer):
+            # No backward since the last step (--skip-nonfinite skipped it on every micro-step): the scaler
+            # recorded no inf checks, so scaler.step would raise. Nothing to apply: skip and count.
+            self.step_was_skipped = True
+            self.engine.skipped_steps += 1
+            return
         scale = scaler.get_scale()
         scaler.step(self.optimizer, closure)
         scaler.update()
         self.step_was_skipped = scaler.get_scale() < scale  # the scaler backed off: inf/nan gradients
+        self.engine.skipped_steps += self.step_was_skipped
 
     def state_dict(self):
         return self.optimizer.state_dict()
@@ -83,6 +90,19 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group):
         self.optimizer.add_param_group(param_group)
+
+
+def has_gradients(optimizer) -> bool:
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
+
+
+def cpu_requested(cpu: bool = False) -> bool:
+    """True when this process must train on the CPU: asked in code, by the profile (`use_cpu`, MULTI_CPU:
+    the launchers set ACCELERATE_USE_CPU), or no CUDA. A GPU on the host does not override the profile."""
+    import os
+
+    flag = os.environ.get("ACCELERATE_USE_CPU", "").strip().lower() in ("1", "true", "yes", "y", "on")
+    return cpu or flag or not torch.cuda.is_available()
 
 
 class PreparedScheduler:
@@ -238,11 +258,12 @@ class TorchEngine:
         self.gradient_accumulation_steps = int(gradient_accumulation_steps)
         self.split_batches = split_batches
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        self.use_cpu = cpu or not torch.cuda.is_available()
+        self.use_cpu = cpu_requested(cpu)
         self.seed = 0
         self.sync_gradients = True
         self.end_of_dataloader = False
         self._step = 0
+        self.skipped_steps = 0  # optimizer steps not applied: fp16 overflow, or no backward at all
         self._optimizers: list[PreparedOptimizer] = []
         self._active_loader: PreparedDataLoader | None = None
         self.device = self._select_device()
@@ -367,7 +388,8 @@ class TorchEngine:
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         if self.scaler is not None and self.sync_gradients:
             for optimizer in self._optimizers:
-                self.scaler.unscale_(optimizer.optimizer)
+                if has_gradients(optimizer.optimizer):  # no inf check to record without gradients
+                    self.scaler.unscale_(optimizer.optimizer)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     # -- collectives ---------------------------------------------------------------------------------

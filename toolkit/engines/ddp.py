@@ -21,6 +21,18 @@ from toolkit.errors import UserError
 DEFAULT_TIMEOUT_S = 600
 
 
+def nccl_error_handling(environ=None):
+    """Before an NCCL group forms: when a collective times out (a peer died or stopped), abort the
+    communicators but keep this process alive (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, CleanUpOnly). The rank
+    blocked on the dead peer then gets a Python error it can turn into the one-sentence peer-failure message,
+    and its Ctrl-C/SIGTERM handler runs; torch's default (3) kills the process from the watchdog instead.
+    A value the user set is kept."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+
+
 class RawDDPEngine(TorchEngine):
     name = "ddp"
 
@@ -36,10 +48,13 @@ class RawDDPEngine(TorchEngine):
     def _select_device(self):
         if self.use_cpu:
             return torch.device("cpu")
-        local_rank = self.env.local_rank
-        if local_rank >= torch.cuda.device_count():
+        local_rank, visible = self.env.local_rank, torch.cuda.device_count()
+        if visible == 1:
+            # srun --gpus-per-task=1, --gpu-bind or an MPI wrapper: each rank sees exactly its own GPU.
+            local_rank = 0
+        elif local_rank >= visible:
             raise UserError(
-                f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible on this node; "
+                f"local rank {local_rank} has no GPU: only {visible} visible on this node; "
                 "launch at most that many processes per node."
             )
         torch.cuda.set_device(local_rank)
@@ -47,6 +62,8 @@ class RawDDPEngine(TorchEngine):
 
     def _init_group(self, env, timeout):
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if backend == "nccl":
+            nccl_error_handling()
         if env.world_size > 1 and (env.master_addr is None or env.master_port is None):
             raise UserError("the ddp engine needs MASTER_ADDR and MASTER_PORT; launch with torchrun or toolkit launch.")
         wait = datetime.timedelta(seconds=timeout)
@@ -113,7 +130,7 @@ class RawDDPEngine(TorchEngine):
         size = torch.tensor([tensor.shape[0]], device=tensor.device)
         sizes = [torch.zeros_like(size) for _ in range(self._world)]
         dist.all_gather(sizes, size)
-        sizes = [int(s.item()) for s in sizes]
+        sizes = torch.cat(sizes).tolist()  # one host sync, not one per rank
         longest = max(sizes)
         if tensor.shape[0] < longest:  # all_gather needs equal shapes: pad, then cut each piece back
             pad = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))

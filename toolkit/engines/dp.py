@@ -5,9 +5,32 @@ process sees are exactly the ones asked for. DataParallel wants the module on `d
 is wrapped, and gathers outputs there.
 """
 
+import sys
+
 import torch
 
 from toolkit.engines.base import TorchEngine
+
+
+class AutocastModule(torch.nn.Module):
+    """Runs the wrapped module under autocast with an explicit dtype. DataParallel replicates it, so each
+    replica thread enters autocast itself: `parallel_apply` restarts autocast in its threads without a dtype,
+    which on CUDA means fp16 (and no GradScaler) even when bf16 was asked for."""
+
+    is_toolkit_wrapper = True  # toolkit.weights.unwrap_model looks through it
+
+    def __init__(self, module, device_type, dtype):
+        super().__init__()
+        self.module, self.device_type, self.dtype = module, device_type, dtype
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(device_type=self.device_type, dtype=self.dtype):
+            return self.module(*args, **kwargs)
+
+
+def _uncompiled(model):
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return model._orig_mod if eval_frame and isinstance(model, eval_frame.OptimizedModule) else model
 
 
 class DataParallelEngine(TorchEngine):
@@ -30,4 +53,18 @@ class DataParallelEngine(TorchEngine):
         # With no device ids DataParallel is a plain pass-through wrapper: same code path, one device.
         if not self.device_ids:
             return torch.nn.DataParallel(model)
+        if len(self.device_ids) > 1:
+            model = self._replicable(model)
         return torch.nn.DataParallel(model, device_ids=self.device_ids, output_device=self.device_ids[0])
+
+    def _replicable(self, model):
+        """What DataParallel may replicate every step: the plain module (replicas of a compiled one write
+        through into the original and replace its layers), with autocast inside each replica."""
+        plain = _uncompiled(model)
+        if plain is not model:
+            print(f"[toolkit] dp engine: torch.compile does not survive DataParallel's replication over "
+                  f"{len(self.device_ids)} GPUs; the model runs uncompiled (--engine ddp compiles it).")
+        if self.mixed_precision == "no":
+            return plain
+        dtype = torch.bfloat16 if self.mixed_precision == "bf16" else torch.float16
+        return AutocastModule(plain, self.device.type, dtype)
