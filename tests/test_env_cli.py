@@ -27,7 +27,8 @@ TOPOLOGY = {  # profile: machines, processes per machine, world size, mixed prec
 # machine 0's address, which is not this host: an error, exit 1.
 WITHOUT_GPUS = {  # profile: (exit code, [(severity, code) of each finding])
     "cpu.yaml": (0, []),
-    "single_gpu.yaml": (0, []),
+    "single_gpu.yaml": (0, [("warning", "no-gpu")]),  # asks for a GPU this machine lacks (issue 12)
+    "fsdp.yaml": (0, [("warning", "no-gpu"), ("warning", "fsdp-without-cuda")]),  # runs the toolkit's fsdp engine
     "multi_gpu.yaml": (0, [("warning", "no-gpu")]),
     "multi_node.yaml": (1, [("warning", "no-gpu"), ("error", "main-address-not-here")]),
 }

@@ -180,7 +180,8 @@ def test_help_shows_every_default():
     cifar = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cifar)
     text = " ".join(build_parser(cifar.Config).format_help().split())
-    for flag, default in (("--model", "resnet18"), ("--loader", "memory"), ("--engine", "auto"), ("--epochs", "10"),
+    for flag, default in (("--model", "resnet18"), ("--loader", "memory"), ("--engine", "auto"),
+                          ("--epochs", "the model's preset"),
                           ("--output-dir", "runs/cifar")):
         assert f"(default: {default})" in text.split(f"{flag} ", 2)[-1].split(" --", 1)[0], (flag, text)
 

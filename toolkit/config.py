@@ -24,6 +24,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see --help)\n" if speaks else None)
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every default; a None default of a recipe flag means the model's preset fills it."""
+
+    def _get_help_string(self, action):
+        if action.default is None and action.help and "default:" in action.help:  # says its own default
+            return action.help
+        if action.default is None and action.help and "preset" in action.help:
+            return action.help + " (default: the model's preset)"
+        return super()._get_help_string(action)
+
+
 def _flag_type(annotation):
     """The argparse type of a field annotated `int`, `float | None`, `str`, ... (bool is a switch)."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -31,7 +42,7 @@ def _flag_type(annotation):
 
 
 def build_parser(config_class, description: str | None = None) -> argparse.ArgumentParser:
-    parser = _Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = _Parser(description=description, formatter_class=_DefaultsFormatter)
     hints = typing.get_type_hints(config_class)
     for field in dataclasses.fields(config_class):
         flag = "--" + field.name.replace("_", "-")

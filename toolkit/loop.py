@@ -32,15 +32,15 @@ from toolkit.training import warmup_linear_decay
 @dataclass
 class TrainingConfig:
     # None below: the model's preset (toolkit/presets.py, each value with its source).
-    global_batch_size: int | None = field(default=None, metadata={"help": "images per optimizer step, all processes"})
+    global_batch_size: int | None = field(default=None, metadata={"help": "images per optimizer step, all processes; from the preset"})
     micro_batch_size: int | None = field(default=None, metadata={"help": "images per process per forward "
                                          "(caps memory; default: global batch / processes)"})
     lr: float | None = field(default=None, metadata={"help": "peak learning rate (SGD, Nesterov momentum 0.9); "
                              "default: the preset's, scaled linearly with the global batch"})
-    weight_decay: float | None = field(default=None, metadata={"help": "L2 penalty on weights"})
-    warmup: float | None = field(default=None, metadata={"help": "fraction of steps warming up, then linear decay"})
-    label_smoothing: float | None = field(default=None, metadata={"help": "cross-entropy label smoothing"})
-    epochs: int | None = field(default=None, metadata={"help": "passes over the training set"})
+    weight_decay: float | None = field(default=None, metadata={"help": "L2 penalty on weights; from the preset"})
+    warmup: float | None = field(default=None, metadata={"help": "fraction of steps warming up, then linear decay; from the preset"})
+    label_smoothing: float | None = field(default=None, metadata={"help": "cross-entropy label smoothing; from the preset"})
+    epochs: int | None = field(default=None, metadata={"help": "passes over the training set; from the preset"})
     max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
     sync_bn: bool = field(default=False, metadata={"help": "synchronise BatchNorm statistics across ranks"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model"})
