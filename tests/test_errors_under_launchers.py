@@ -38,7 +38,7 @@ CASES = {  # name -> (script and args given tmp_path, the sentence's words, laun
         "--epochs must be at least 1", ["toolkit launch ddp"]),
     "checkpoint of another model (every rank, after the group formed)": (
         lambda t: [CIFAR, *TINY, "--resume", other_model_checkpoint(t), "--output-dir", str(t / "o")],
-        "do not fit this model", ["accelerate launch"]),
+        "holds a resnet9 model, not tiny; pick another --output-dir.", ["accelerate launch"]),
     "rank 1 fails inside main_process_first": (
         lambda t: [str(SCRIPTS / "rank_local_error.py"), "main-first"],
         "rank 1 cannot read its shard file", ["toolkit launch ddp"]),

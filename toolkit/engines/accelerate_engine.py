@@ -66,9 +66,9 @@ class AccelerateEngine:
     def __init__(self, env, *, timeout: float | None = None, **kwargs):
         self.env = env
         self.seed = 0
-        if cpu_requested(kwargs.get("cpu", False)):  # no CUDA, or a CPU profile on a GPU host
+        if "cpu" not in kwargs and cpu_requested():  # no CUDA, or a CPU profile on a GPU host; cpu= given wins
             kwargs["cpu"] = True
-        elif torch.cuda.is_available():
+        elif not kwargs.get("cpu") and torch.cuda.is_available():
             nccl_error_handling()
         if kwargs.get("mixed_precision") == "fp16" and (kwargs.get("cpu") or not torch.cuda.is_available()):
             raise UserError("fp16 mixed precision needs a CUDA device; use bf16 (or no) on CPU.")
