@@ -43,7 +43,14 @@ class PeerFailure(RunFailure):
 
 
 def report(error: BaseException, stream=None) -> int:
-    print(f"error: {error}", file=stream or sys.stderr, flush=True)
+    stream = stream or sys.stderr
+    if "tqdm" in sys.modules:  # a progress bar still on the line would glue the sentence onto its end
+        from tqdm import tqdm
+
+        with tqdm.external_write_mode(file=stream):
+            print(f"error: {error}", file=stream, flush=True)
+    else:
+        print(f"error: {error}", file=stream, flush=True)
     return getattr(error, "exit_code", 1)
 
 
