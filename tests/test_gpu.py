@@ -6,13 +6,14 @@ GPUs are visible. `scripts/gpu_report.sh` runs them and the GPU benchmarks on a 
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import CONFIGS, ROOT, run
+from conftest import CONFIGS, ROOT, clean_env, run
 
 pytestmark = pytest.mark.gpu
 PY = sys.executable
@@ -158,3 +159,32 @@ def test_images_recipe_on_one_gpu(tmp_path):
         pytest.skip("recipes/images.py does not exist in this checkout yet")
     run([PY, recipe, "--help"], timeout=120)
     assert os.path.getsize(recipe) > 0
+
+
+def test_nccl_rank_whose_peer_died_says_so_in_one_line(tmp_path):
+    """Defect 7: under NCCL a rank waiting on a dead peer used to block until the watchdog killed it, with no
+    sentence. With async error handling (nccl_error_handling) the collective raises, and the survivor ends
+    with the peer-failure sentence within --timeout, as it does under gloo (tests/test_fault_tolerance.py)."""
+    need_gpus(2)
+    from test_fault_tolerance import FLAGS, kill_groups, rank_lines, wait_for_step, worker
+
+    from toolkit.launcher import free_port
+
+    port, out, timeout = free_port(), tmp_path / "run", 20
+    nodes = []
+    for node in (0, 1):  # two agents, one GPU each, as on two hosts
+        cmd = [PY, "-m", "torch.distributed.run", "--nnodes", 2, "--node_rank", node, "--nproc_per_node", 1,
+               "--master_addr", "127.0.0.1", "--master_port", port, "--log-dir", tmp_path / f"ranks{node}",
+               "--redirects", 3, CIFAR, *FLAGS, "--engine", "ddp", "--timeout", timeout, "--output-dir", out]
+        nodes.append(subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=clean_env(CUDA_VISIBLE_DEVICES=node),
+                                      stdout=open(tmp_path / f"node{node}.log", "w"), stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    try:
+        wait_for_step(out, 10, nodes[0])
+        worker(nodes[1], 1).kill()
+        code = nodes[0].wait(timeout=timeout + 60)
+    finally:
+        kill_groups(nodes)
+    errors = rank_lines(tmp_path / "ranks0", "stderr")
+    assert code != 0 and [line for line in errors if line.startswith("error: ")] == errors[-1:], errors[-20:]
+    assert "rank 0 lost contact with the other ranks at step" in errors[-1], errors[-20:]
