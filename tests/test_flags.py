@@ -85,3 +85,22 @@ def test_torch_loader_resumes_mid_epoch_on_two_ranks_where_the_uninterrupted_run
     assert [got[s] for s in got] == [expected[s] for s in got]
     expected_weights, weights = final_weights(ref, MAX_STEPS), final_weights(out, MAX_STEPS)
     assert all(torch.equal(expected_weights[k], weights[k]) for k in weights)
+
+
+def test_bf16_run_trains_and_parity_names_mixed_precision_as_the_difference(tmp_path):
+    """bf16, the GPU profiles' precision, on CPU: one process against 2 ddp ranks of the same global batch.
+    bf16 rounds every matmul, and a different split rounds differently, so the verdict is either AGREE or
+    DIFFER, EXPECTED naming mixed precision (exit 3), never an unexplained difference."""
+    from conftest import CONFIGS, TOOLKIT
+
+    proc = run(TOOLKIT + ["parity", CONFIGS / "cpu.yaml", CONFIGS / "cpu.yaml", "--engine-a", "single", "--engine-b",
+                          "ddp", "--steps", 3, "--output-dir", tmp_path / "parity", "--", CIFAR, "--dataset",
+                          "synthetic", "--model", "tiny", "--max-steps", 3, "--mixed-precision", "bf16",
+                          "--output-dir", tmp_path / "run"], check=False, timeout=300)
+    records = [read_json(tmp_path / "parity" / side / "record.json") for side in "ab"]
+    assert [r["mixed_precision"] for r in records] == ["bf16", "bf16"], records
+    assert all(loss == loss and loss < 10 for r in records for loss in r["losses"])  # trained: finite, sane
+    assert proc.returncode in (0, 3), proc.stdout + proc.stderr[-2000:]
+    if proc.returncode == 3:
+        assert "verdict: DIFFER, EXPECTED" in proc.stdout and "mixed precision (A bf16, B bf16)" in proc.stdout
+    print(proc.stdout.splitlines()[-1])
