@@ -154,8 +154,7 @@ def test_output_folder_holding_a_run_is_refused_unless_resumed_or_restarted(tmp_
                                         "or pass a fresh folder"):
         check_fresh_output_dir(tmp_path / "used", None)
     check_fresh_output_dir(tmp_path / "used", "auto")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun restarted us: the recipe resumes there
-    check_fresh_output_dir(tmp_path / "used", None)
+    check_fresh_output_dir(tmp_path / "used", None, restarts=1)  # torchrun restarted us: the recipe resumes there
 
 
 def test_images_per_second_leave_out_the_warm_up():

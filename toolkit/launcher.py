@@ -142,6 +142,11 @@ def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus:
         node_env, node_args, node_notes = _multi_node(profile, engine, environ)
         env.update(node_env)
         notes += node_notes
+        if max_restarts:
+            # torchrun keeps one store for every rendezvous round, and a node that only re-joins (its workers
+            # did not fail) keeps its restart count: the old round's keys and mismatched per-attempt prefixes
+            # would meet in it. A fresh store per round, hosted by the new rank 0, leaves nothing stale.
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if profile.gpu_ids not in (None, "all") and not cpu_profile:
         # gpu_ids index the GPUs this process sees: under an inherited CUDA_VISIBLE_DEVICES (a scheduler's
         # allocation) they are positions in that list, not physical ids.

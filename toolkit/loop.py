@@ -24,7 +24,7 @@ from toolkit.batching import plan_batches
 from toolkit.engines import ENGINES, build_accelerator
 from toolkit.errors import UserError
 from toolkit.records import RunRecorder, check_fresh_output_dir
-from toolkit.run_state import RunState, check_loss, peer_failures
+from toolkit.run_state import RunState, agreed_restart_count, check_loss, peer_failures
 from toolkit.training import StopRequest, average_batchnorm_stats, convert_sync_batchnorm, epoch_batches, evaluate
 from toolkit.training import warmup_linear_decay
 
@@ -68,13 +68,13 @@ def check_config(cfg):
         raise UserError("--weight-decay must be at least 0, --warmup and --label-smoothing in [0, 1).")
     if cfg.resume not in (None, "auto") and not Path(cfg.resume).exists():
         raise UserError(f"--resume {cfg.resume}: that path does not exist; pass a checkpoint folder or 'auto'.")
-    check_fresh_output_dir(cfg.output_dir, cfg.resume)
 
 
 def start(cfg):
     """(accelerator, batch plan, cfg with the micro-batch as it runs) for a checked, preset-filled config."""
     check_config(cfg)
     accelerator = build_accelerator(cfg.engine, mixed_precision=cfg.mixed_precision, timeout=cfg.timeout)
+    check_fresh_output_dir(cfg.output_dir, cfg.resume, agreed_restart_count(accelerator))
     plan = plan_batches(cfg.global_batch_size, accelerator.num_processes, cfg.micro_batch_size)
     accelerator.gradient_accumulation_steps = plan.accumulation
     accelerator.set_seed(cfg.seed)

@@ -75,7 +75,7 @@ class RunState:
         """Continue from `resume` ("auto" or a checkpoint path), or from the latest checkpoint after a
         torchrun/toolkit launch restart; the epoch position maps through samples across world sizes."""
         accelerator = self.accelerator
-        restarts = accelerator.env.restart_count
+        restarts = agreed_restart_count(accelerator)
         resume = resume or ("auto" if restarts else None)
         if restarts:
             accelerator.print(f"[toolkit] restart {restarts}: resuming from the latest checkpoint")
@@ -90,6 +90,14 @@ class RunState:
         accelerator.print(f"resumed from {path} (step {state['step']})")
         self.step, self.epoch, steps_done = resume_position(state, self.plan.global_batch, accelerator)
         self.batch = steps_done * self.plan.accumulation
+
+
+def agreed_restart_count(accelerator) -> int:
+    """How often torchrun (or toolkit launch) restarted the job, the same on every rank: the highest count
+    any rank was started with. A node whose own workers did not fail re-joins a new rendezvous round with
+    its count unchanged (0 the first time), yet it must resume with the others (a collective)."""
+    counts = accelerator.gather(torch.tensor([accelerator.env.restart_count], device=accelerator.device))
+    return int(counts.max())
 
 
 def check_loss(loss, run: RunState, stop, skip_nonfinite: bool):

@@ -76,9 +76,11 @@ class RawDDPEngine(TorchEngine):
             host, port = env.master_addr, env.master_port
         store = dist.TCPStore(host, port, env.world_size, is_master=env.rank == 0 and not env.agent_store,
                               timeout=wait, multi_tenant=True)
-        # A restarted worker group meets in the same store: a fresh key space per attempt keeps the last
-        # attempt's (dead) addresses out of this one's rendezvous.
-        store = dist.PrefixStore(f"toolkit/attempt-{env.restart_count}", store)
+        if env.agent_store:
+            # torchrun's agent keeps its store across restarts: a fresh key space per attempt keeps the last
+            # attempt's (dead) addresses out of this one's rendezvous. (A multi-node restart through
+            # toolkit launch gets a fresh store per round instead: nodes' restart counts differ there.)
+            store = dist.PrefixStore(f"toolkit/attempt-{env.restart_count}", store)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=wait,
                                 device_id=self.device if self.device.type == "cuda" else None)
         self._owns_group = True
