@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.errors import UserError, report
-from toolkit.records import git_commit
+from toolkit.train.records import git_commit
 
 ROOT = Path(__file__).resolve().parent.parent
 

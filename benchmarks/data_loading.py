@@ -10,11 +10,11 @@ torch thread; DataLoader: no worker processes, loading in this process).
 Three loaders over the same uint8 CIFAR-sized images, each timed over one epoch per round (batches are
 produced and dropped, no model), all with the same augmentation (random 32-crop of the 4-pixel
 zero-padded image, horizontal flip p=0.5) and normalisation:
-- `memory`: toolkit.data.MemoryLoader, the whole dataset as one tensor, crop and flip as one batched gather;
+- `memory`: toolkit.data.memory.MemoryLoader, the whole dataset as one tensor, crop and flip as one batched gather;
 - `torch + PIL`: the classic CIFAR pipeline: a DataLoader over a torchvision.datasets.CIFAR10-style dataset
   (an H x W x C uint8 array, a PIL image per sample) with RandomCrop(32, padding=4),
   RandomHorizontalFlip, ToTensor and Normalize;
-- `torch + v2`: toolkit.data.build_torch_loader, the recipe's `--loader torch` (transforms v2 on tensors).
+- `torch + v2`: toolkit.data.memory.build_torch_loader, the recipe's `--loader torch` (transforms v2 on tensors).
 By default the memory loader gets one thread and the DataLoaders a worker process per CPU: the
 comparison is tilted towards the DataLoaders, not away from them. Target: memory / torch + PIL >= 10 on CPU (a full run exits 1 below it, --quick never does).
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 import common
 import torch
 
-from toolkit.data import (
+from toolkit.data.memory import (
     CIFAR_MEAN,
     CIFAR_STD,
     PAD,

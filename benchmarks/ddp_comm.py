@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from toolkit.errors import UserError
-from toolkit.models import MODELS, build_model
+from toolkit.models.nets import MODELS, build_model
 
 TARGET = 0.95  # DDP images/s over two independent processes'
 WORLD = 2
@@ -121,7 +121,7 @@ def worker(rank: int, args, port: int, result_path: str):
 
 
 def run_ranks(args) -> dict:
-    from toolkit.launcher import free_port
+    from toolkit.launch.launcher import free_port
 
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by both ranks: one core each
     with tempfile.TemporaryDirectory() as tmp:

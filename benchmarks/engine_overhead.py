@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import toolkit
 from toolkit.errors import UserError
-from toolkit.models import MODELS, build_model
+from toolkit.models.nets import MODELS, build_model
 
 TARGET = 0.98  # engine images/s over the plain loop's
 ENGINES = ("single", "dp", "accelerate", "ddp")  # accelerate before ddp: it starts where no group exists yet

@@ -3,10 +3,10 @@
     python benchmarks/folder_loading.py --data-dir DIR                  # DIR/train/<class>/*, 32 px, 2 workers
     python benchmarks/folder_loading.py --data-dir DIR --workers 4 --image-size 64
 
-- `streaming`: toolkit.folder_data.StreamingLoader, DataLoader workers open and decode every file each epoch,
+- `streaming`: toolkit.data.folder.StreamingLoader, DataLoader workers open and decode every file each epoch,
   RandomResizedCrop + flip, normalise (what recipes/images.py trains with);
 - `memory`: the same files decoded once (resize + centre crop to the size) into one uint8 tensor, then
-  toolkit.data.MemoryLoader's batched crop + flip each epoch (what recipes/cifar.py trains with). The
+  toolkit.data.memory.MemoryLoader's batched crop + flip each epoch (what recipes/cifar.py trains with). The
   one-time decode is reported apart: it is what the memory loader pays up front, and what makes it hold
   only datasets that fit in memory at one size.
 Each round times one epoch of each, alternating; the table gives the median images/s.
@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from toolkit.data import MemoryLoader
-from toolkit.folder_data import StreamingLoader, open_images
+from toolkit.data.memory import MemoryLoader
+from toolkit.data.folder import StreamingLoader, open_images
 
 
 def decode_all(files, size: int) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from toolkit.errors import UserError
-from toolkit.models import MODELS, build_model
+from toolkit.models.nets import MODELS, build_model
 
 TARGETS = {2: 0.55, 4: 0.30}  # fsdp bytes per rank / ddp bytes per rank, at most
 KINDS = ("parameters", "gradients", "optimizer state")
@@ -81,7 +81,7 @@ def worker(rank: int, world: int, model_name: str, port: int, result_path: str):
     torch.set_num_threads(1)
     from toolkit.engines.ddp import RawDDPEngine
     from toolkit.engines.fsdp import FSDPEngine
-    from toolkit.launch_env import read_launch_env
+    from toolkit.launch.env import read_launch_env
 
     env = read_launch_env()
     ddp = RawDDPEngine(env)  # forms the group; the fsdp engine joins it
@@ -96,7 +96,7 @@ def worker(rank: int, world: int, model_name: str, port: int, result_path: str):
 
 
 def measure(world: int, model_name: str) -> dict:
-    from toolkit.launcher import free_port
+    from toolkit.launch.launcher import free_port
 
     os.environ["OMP_NUM_THREADS"] = "1"
     with tempfile.TemporaryDirectory() as tmp:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from toolkit.errors import UserError
-from toolkit.models import MODELS, build_model
+from toolkit.models.nets import MODELS, build_model
 
 # name: (bf16, channels_last, compile); each adds one switch to the previous line.
 CONFIGS = {"fp32": (False, False, False), "+ bf16": (True, False, False),

@@ -15,21 +15,22 @@
 The engine (accelerate, ddp, fsdp, dp, single) follows from the launcher; nothing below asks which one runs.
 --global-batch-size is the images in one optimizer step over all processes, the same under every launcher:
 global batch = processes x --micro-batch-size x gradient accumulation, the accumulation derived. Learning
-rate, weight decay, warm-up, epochs and global batch default to the model's preset (toolkit/presets.py).
+rate, weight decay, warm-up, epochs and global batch default to the model's preset (toolkit/train/presets.py).
 Mixed precision comes from the accelerate profile unless --mixed-precision is given.
 """
 
 from dataclasses import dataclass, field
 
 import toolkit
-from toolkit.data import AUGMENTATIONS, MemoryLoader, build_torch_loader, load_data
-from toolkit.loop import TrainingConfig, finish, fit, make_run, prepare_model_and_optimizer, start
-from toolkit.models import MODELS, build_model
-from toolkit.presets import apply_preset
+from toolkit.data import load_data
+from toolkit.data.memory import AUGMENTATIONS, MemoryLoader, build_torch_loader
+from toolkit.train.loop import TrainingConfig, finish, fit, make_run, prepare_model_and_optimizer, start
+from toolkit.models.nets import MODELS, build_model
+from toolkit.train.presets import apply_preset
 
 
 @dataclass
-class Config(TrainingConfig):  # the loop's flags (toolkit/loop.py) plus this recipe's data and model
+class Config(TrainingConfig):  # the loop's flags (toolkit/train/loop.py) plus this recipe's data and model
     dataset: str = field(default="cifar10", metadata={"help": "cifar10, cifar100, synthetic or hf:NAME_OR_PATH"})
     data_dir: str = field(default="data", metadata={"help": "folder holding (or receiving) the dataset"})
     model: str = field(default="resnet18", metadata={"choices": sorted(MODELS)})

@@ -14,22 +14,22 @@ summary.json. --model is any torchvision classification model (built with weight
 one of the toolkit's nets (tiny, resnet9, toolkit:resnet18); --weights starts from a local state dict and
 gives it a new classifier head when the class count differs. DataLoader workers decode: RandomResizedCrop
 and flip for training, resize and centre crop for evaluation. The global batch, presets, checkpoints with
-exact mid-epoch resume, evaluation and records are cifar.py's (toolkit/loop.py). An unreadable image file
+exact mid-epoch resume, evaluation and records are cifar.py's (toolkit/train/loop.py). An unreadable image file
 stops the run with its path (exit 2).
 """
 
 from dataclasses import dataclass, field
 
 import toolkit
-from toolkit.data import AUGMENTATIONS
-from toolkit.folder_data import StreamingLoader, default_workers, open_images
-from toolkit.loop import TrainingConfig, finish, fit, make_run, prepare_model_and_optimizer, start
-from toolkit.presets import apply_preset
-from toolkit.vision_models import TOOLKIT_PREFIX, build_image_model, is_torchvision_model, start_from_weights
+from toolkit.data.memory import AUGMENTATIONS
+from toolkit.data.folder import StreamingLoader, default_workers, open_images
+from toolkit.train.loop import TrainingConfig, finish, fit, make_run, prepare_model_and_optimizer, start
+from toolkit.train.presets import apply_preset
+from toolkit.models.vision import TOOLKIT_PREFIX, build_image_model, is_torchvision_model, start_from_weights
 
 
 @dataclass
-class Config(TrainingConfig):  # the loop's flags (toolkit/loop.py) plus this recipe's data and model
+class Config(TrainingConfig):  # the loop's flags (toolkit/train/loop.py) plus this recipe's data and model
     data_dir: str = field(default="data/images", metadata={"help": "ImageFolder layout (train/, val/ or test/) "
                           "or hf:PATH (save_to_disk folder or parquet files)"})
     model: str = field(default="resnet18", metadata={"help": "a torchvision classification model, or tiny, "

@@ -68,15 +68,15 @@ MUTATIONS = {
         (f"{PARITY}::test_two_ranks_match_one_process_with_double_batch[ddp]",),
         "averaging: each rank's loss is scaled by the world size, so DDP's mean of gradients is their sum"),
     "bn-stats-summed": Mutation(
-        "toolkit.training", _bn_stats_summed,
+        "toolkit.train.common", _bn_stats_summed,
         (f"{PARITY}::test_sync_bn_on_cpu_ranks_averages_running_stats",),
         "averaging: --sync-bn's CPU fallback sums the ranks' BatchNorm statistics"),
     "resume-at-epoch-start": Mutation(
-        "toolkit.training", _resume_at_epoch_start,
+        "toolkit.train.common", _resume_at_epoch_start,
         ("tests/test_checkpoint.py::test_resume_position_maps_samples_to_steps",),
         "resume: a mid-epoch checkpoint restarts its epoch from the first batch"),
     "checkpoint-drops-optimizer": Mutation(
-        "toolkit.checkpoint", _checkpoint_drops_optimizer,
+        "toolkit.train.checkpoint", _checkpoint_drops_optimizer,
         ("tests/test_checkpoint.py::test_round_trip_restores_everything",),
         "resume: loading a checkpoint leaves the optimizer's momentum behind"),
     "metrics-keep-padding": Mutation(
@@ -84,7 +84,7 @@ MUTATIONS = {
         ("tests/test_two_ranks.py::test_torchrun[ddp]",),
         "exact eval: gather_for_metrics keeps the samples the sampler repeated as padding"),
     "every-rank-writes": Mutation(
-        "toolkit.records", _every_rank_writes,
+        "toolkit.train.records", _every_rank_writes,
         (f"{FLAGS}::test_only_the_main_process_writes",),
         "one writer: every rank appends to metrics.jsonl and steps.csv"),
 }

@@ -1,4 +1,4 @@
-"""Training functions that tests start with toolkit.spawn and accelerate.notebook_launcher (importable, so the
+"""Training functions that tests start with toolkit.launch.spawn and accelerate.notebook_launcher (importable, so the
 "spawn" start method can pickle them by name)."""
 
 import json
@@ -14,8 +14,8 @@ def train(out_dir: str):
     """Build the accelerator from the launch environment, train the tiny net 4 steps at global batch 16 with the
     toolkit's MemoryLoader, gather 5 numbered samples; rank 0 writes what it saw to OUT_DIR."""
     import toolkit
-    from toolkit.data import MemoryLoader
-    from toolkit.models import build_model
+    from toolkit.data.memory import MemoryLoader
+    from toolkit.models.nets import build_model
 
     accelerator = toolkit.build_accelerator()
     torch.manual_seed(0)

@@ -14,9 +14,9 @@ import pytest
 
 from conftest import CONFIGS, PY, ROOT, TOOLKIT, run
 from toolkit import cli
-from toolkit.checkpoint import save_checkpoint
+from toolkit.train.checkpoint import save_checkpoint
 from toolkit.errors import UserError
-from toolkit.models import build_model
+from toolkit.models.nets import build_model
 
 spec = importlib.util.spec_from_file_location("cifar_recipe", ROOT / "recipes" / "cifar.py")
 cifar = importlib.util.module_from_spec(spec)

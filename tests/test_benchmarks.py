@@ -56,7 +56,7 @@ def test_memory_quick_world_2_measures_the_shards_each_rank_holds(tmp_path):
     ratios = {name: float(value) for name, value in RATIO.findall(proc.stdout)}
     assert set(ratios) == {"tiny ddp / fsdp per rank, world 2"}, proc.stdout
     assert 1 / 0.55 <= ratios["tiny ddp / fsdp per rank, world 2"] <= 2.05
-    from toolkit.models import tiny
+    from toolkit.models.nets import tiny
 
     model_mib = sum(p.numel() for p in tiny(10).parameters()) * 4 / 2**20
     ddp_row = next(line for line in proc.stdout.splitlines() if line.startswith("| ddp x 2 |"))

@@ -21,7 +21,7 @@ import safetensors
 import torch
 import torch.distributed as dist
 
-from toolkit.checkpoint import (
+from toolkit.train.checkpoint import (
     latest_checkpoint, list_checkpoints, load_checkpoint, load_model, rng_state,
     save_checkpoint, save_model, set_rng_state, unwrap_model, verify_checkpoint,
 )
@@ -272,7 +272,7 @@ def test_stale_or_garbage_pointer_falls_back(tmp_path):
 
 WRITER_SERVER = """
 import os, sys, torch
-from toolkit.checkpoint import latest_checkpoint, save_checkpoint
+from toolkit.train.checkpoint import latest_checkpoint, save_checkpoint
 
 def save_forever(root):
     with torch.device("meta"):
@@ -390,7 +390,7 @@ class _Ranks:
 def test_resume_position_maps_samples_to_steps():
     """A checkpoint 10 global batches of 128 into epoch 1 resumes at batch 10 of epoch 1, on any world size
     with the same global batch; a position between two steps resumes at the step before, and says so."""
-    from toolkit.training import resume_position
+    from toolkit.train.common import resume_position
 
     state = {"step": 49, "epoch": 1, "samples_in_epoch": 10 * 128, "world_size": 2}
     assert resume_position(state, 128, _Ranks(2)) == (49, 1, 10)

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from toolkit.data import (ImageData, MemoryLoader, augment_batch, build_torch_loader, load_cifar, load_data,
-                          make_synthetic, normalize)
-from toolkit.hf_data import load_hf
+from toolkit.data import ImageData, load_data
+from toolkit.data.memory import MemoryLoader, augment_batch, build_torch_loader, load_cifar, make_synthetic, normalize
+from toolkit.data.hf import load_hf
 from toolkit.errors import UserError
-from toolkit.models import MODELS, build_model
+from toolkit.models.nets import MODELS, build_model
 
 
 def write_batch(path, data, labels, label_key=b"labels"):

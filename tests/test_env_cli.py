@@ -11,7 +11,7 @@ import torch
 from conftest import CONFIGS, LAUNCH_VARS, TOOLKIT, run
 
 from toolkit import cli
-from toolkit.envinfo import collect
+from toolkit.check.env import collect
 
 KEYS = {"versions", "devices", "launch_environment", "profile", "toolkit_launch", "accelerate_default_config",
         "findings"}

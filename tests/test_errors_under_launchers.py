@@ -10,9 +10,9 @@ after the group formed (a checkpoint of another model), and a check that fails o
 import pytest
 
 from conftest import ACCELERATE, CONFIGS, PY, ROOT, SCRIPTS, TOOLKIT, TORCHRUN, run
-from toolkit.checkpoint import save_checkpoint
-from toolkit.models import build_model
-from toolkit.launcher import free_port
+from toolkit.train.checkpoint import save_checkpoint
+from toolkit.models.nets import build_model
+from toolkit.launch.launcher import free_port
 
 CIFAR = str(ROOT / "recipes" / "cifar.py")
 CPU = str(CONFIGS / "cpu.yaml")

@@ -10,8 +10,8 @@ import pytest
 from conftest import (CONFIGS, PY, ROOT, SCRIPTS, TOOLKIT, TORCHRUN, clean_env, final_weights, kill_groups,
                       read_json, run)
 
-from toolkit.checkpoint import latest_checkpoint, verify_checkpoint
-from toolkit.launcher import free_port
+from toolkit.train.checkpoint import latest_checkpoint, verify_checkpoint
+from toolkit.launch.launcher import free_port
 
 CIFAR = ROOT / "recipes" / "cifar.py"
 # 2 ranks x batch 64 on the synthetic set: 39 steps per epoch, 78 in all; a checkpoint every 5 steps.

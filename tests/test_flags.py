@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import PY, ROOT, SCRIPTS, TORCHRUN, final_weights, read_json, run
-from toolkit.checkpoint import list_checkpoints
-from toolkit.launcher import free_port
+from toolkit.train.checkpoint import list_checkpoints
+from toolkit.launch.launcher import free_port
 
 CIFAR = ROOT / "recipes" / "cifar.py"
 RECORD_WRITES = SCRIPTS / "record_summary_writes.py"

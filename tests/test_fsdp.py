@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import ACCELERATE, CONFIGS, PY, ROOT, SCRIPTS, TOOLKIT, TORCHRUN, final_weights, max_weight_diff, read_json, run
 
-from toolkit.launcher import free_port
+from toolkit.launch.launcher import free_port
 
 CIFAR = ROOT / "recipes" / "cifar.py"
 CPU = CONFIGS / "cpu.yaml"
@@ -87,7 +87,7 @@ def test_fsdp_profile_without_cuda_shards_with_the_fsdp_engine_and_says_so_once(
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="accelerate runs its own FSDP where CUDA is visible")
 def test_toolkit_env_says_what_an_fsdp_profile_runs():
-    from toolkit.envinfo import collect
+    from toolkit.check.env import collect
 
     report = collect(str(CONFIGS / "fsdp.yaml"), environ={})
     assert report["toolkit_launch"]["runs"] == "fsdp"

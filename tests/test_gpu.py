@@ -62,7 +62,7 @@ def test_fp16_overflow_steps_are_counted_and_reported(tmp_path):
 def test_dp_over_every_visible_gpu(tmp_path):
     need_gpus(1)
     from toolkit.engines.dp import DataParallelEngine
-    from toolkit.launch_env import read_launch_env
+    from toolkit.launch.env import read_launch_env
 
     engine = DataParallelEngine(read_launch_env(environ={}), mixed_precision="bf16")
     model = engine.prepare_model(torch.nn.Linear(8, 4))
@@ -81,7 +81,7 @@ def test_nccl_engine_with_world_equal_to_visible_gpus(tmp_path, engine):
 
     if engine not in toolkit.ENGINES:
         pytest.skip(f"the {engine} engine is not in this checkout yet")
-    from toolkit.launcher import free_port
+    from toolkit.launch.launcher import free_port
 
     run(["torchrun", "--nproc_per_node", gpus(), "--master_port", free_port(), CIFAR, *FAST, "--engine", engine,
          "--output-dir", tmp_path], timeout=400)
@@ -91,7 +91,7 @@ def test_nccl_engine_with_world_equal_to_visible_gpus(tmp_path, engine):
 
 def test_memory_loader_on_gpu_copies_no_images_and_matches_cpu():
     need_gpus(1)
-    from toolkit.data import MemoryLoader, make_synthetic
+    from toolkit.data.memory import MemoryLoader, make_synthetic
 
     data = make_synthetic(num_train=512, num_test=64)
     loaders = {d: MemoryLoader(data.train_x, data.train_y, 64, seed=3, device=d) for d in ("cpu", "cuda")}
@@ -125,7 +125,7 @@ def test_channels_last_and_compile(tmp_path):
 
 def test_gpu_checkpoint_resumes_on_cpu_and_back_exactly(tmp_path):
     need_gpus(1)
-    from toolkit.checkpoint import load_checkpoint, save_checkpoint
+    from toolkit.train.checkpoint import load_checkpoint, save_checkpoint
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)).cuda()
@@ -168,7 +168,7 @@ def test_nccl_rank_whose_peer_died_says_so_in_one_line(tmp_path):
     need_gpus(2)
     from test_fault_tolerance import FLAGS, kill_groups, rank_lines, wait_for_step, worker
 
-    from toolkit.launcher import free_port
+    from toolkit.launch.launcher import free_port
 
     port, out, timeout = free_port(), tmp_path / "run", 20
     nodes = []

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import SCRIPTS, run
-from toolkit.checkpoint import load_checkpoint, save_checkpoint
-from toolkit.launch_env import read_launch_env
+from toolkit.train.checkpoint import load_checkpoint, save_checkpoint
+from toolkit.launch.env import read_launch_env
 
 
 @pytest.fixture
@@ -99,8 +99,8 @@ def test_use_cpu_wins_over_visible_gpus(name, fake_cuda, monkeypatch):
 
 def test_cpu_profiles_launch_on_cpu_on_gpu_hosts():
     # Defect 3, launcher side: nothing set ACCELERATE_USE_CPU, and MULTI_CPU got --multi_gpu only without GPUs.
-    from toolkit.launcher import plan_launch
-    from toolkit.profiles import load_profile
+    from toolkit.launch.launcher import plan_launch
+    from toolkit.launch.profiles import load_profile
 
     profile = load_profile("accelerate_configs/cpu.yaml")
     for engine in ("accelerate", "ddp", "single"):
@@ -118,8 +118,8 @@ def test_launcher_keeps_an_inherited_cuda_visible_devices():
     # scheduler) already renumbered them, so overwriting it would pick GPUs outside the allocation.
     import dataclasses
 
-    from toolkit.launcher import plan_launch
-    from toolkit.profiles import load_profile
+    from toolkit.launch.launcher import plan_launch
+    from toolkit.launch.profiles import load_profile
 
     profile = dataclasses.replace(load_profile("accelerate_configs/multi_gpu.yaml"), gpu_ids="0,1")
     plan = plan_launch(profile, "ddp", ["t.py"], gpus=2, environ={"CUDA_VISIBLE_DEVICES": "4,5"})
@@ -167,7 +167,7 @@ def test_dp_replica_threads_keep_the_autocast_dtype(fake_cuda, monkeypatch):
 
 def test_each_rank_restores_its_own_rng_state(tmp_path):
     # Defect 9: every rank restored rank 0's RNG state (CUDA on GPUs; the CPU generator shows it here).
-    from toolkit.launcher import free_port
+    from toolkit.launch.launcher import free_port
 
     proc = run(["torchrun", "--nproc_per_node", "2", "--master_port", free_port(), SCRIPTS / "rng_ranks.py", tmp_path],
                timeout=120)

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from conftest import CONFIGS
-from toolkit.data import load_cifar, load_data
+from toolkit.data import load_data
+from toolkit.data.memory import load_cifar
 from toolkit.errors import UserError
-from toolkit.safe_pickle import load_restricted
+from toolkit.data.safe_pickle import load_restricted
 
 
 class CreatesAFile:
@@ -131,8 +132,8 @@ def test_parquet_images_of_a_size_the_recipe_cannot_take_are_named(tmp_path):
 
 
 def test_env_warns_for_every_gpu_profile_without_a_gpu():
-    from toolkit.launcher import check_devices
-    from toolkit.profiles import load_profile
+    from toolkit.launch.launcher import check_devices
+    from toolkit.launch.profiles import load_profile
 
     for name in ("single_gpu", "multi_gpu", "multi_node"):
         notes = check_devices(load_profile(str(CONFIGS / f"{name}.yaml")), gpus=0)
@@ -141,7 +142,7 @@ def test_env_warns_for_every_gpu_profile_without_a_gpu():
 
 
 def test_output_folder_holding_a_run_is_refused_unless_resumed_or_restarted(tmp_path, monkeypatch):
-    from toolkit.records import check_fresh_output_dir
+    from toolkit.train.records import check_fresh_output_dir
 
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     monkeypatch.delenv("TOOLKIT_PARITY_DIR", raising=False)
@@ -158,7 +159,7 @@ def test_output_folder_holding_a_run_is_refused_unless_resumed_or_restarted(tmp_
 
 
 def test_images_per_second_leave_out_the_warm_up():
-    from toolkit.records import Throughput
+    from toolkit.train.records import Throughput
 
     meter = Throughput(warmup_steps=2)
     for seconds in (3.0, 1.0, 0.25, 0.25, 0.5):  # a 4-second stall, then 3 steps of 100 images in 1 s
@@ -190,7 +191,7 @@ def test_a_port_held_by_another_service_is_named_as_such(speaks_first):
     import socket
     import threading
 
-    from toolkit import rendezvous
+    from toolkit.launch import rendezvous
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -219,8 +220,8 @@ def hostile_checkpoint(tmp_path, edit):
     import hashlib
     import json
 
-    from toolkit.checkpoint import save_checkpoint
-    from toolkit.models import build_model
+    from toolkit.train.checkpoint import save_checkpoint
+    from toolkit.models.nets import build_model
 
     state = {"step": 1, "epoch": 0, "samples_in_epoch": 0, "world_size": 1, "config": {"model": "tiny"}}
     import torch
@@ -260,9 +261,9 @@ def _pickled_optimizer(target):
 HOSTILE = {  # name -> (make the file given tmp_path, how it is read given the file, words of the sentence)
     "profile with a python tag that runs code": (
         lambda t: written(t / "p.yaml", f"distributed_type: !!python/object/apply:os.system ['touch {t}/ran']\n"),
-        lambda p: __import__("toolkit.profiles").profiles.load_profile(str(p)), "YAML"),
+        lambda p: __import__("toolkit.launch.profiles").profiles.load_profile(str(p)), "YAML"),
     "profile that is a list": (lambda t: written(t / "p.yaml", "- 1\n- 2\n"),
-                               lambda p: __import__("toolkit.profiles").profiles.load_profile(str(p)), "p.yaml"),
+                               lambda p: __import__("toolkit.launch.profiles").profiles.load_profile(str(p)), "p.yaml"),
     "manifest naming a file outside the checkpoint": (
         lambda t: hostile_checkpoint(t, lambda p: None), "manifest-outside", "not a file of the checkpoint"),
     "state.json that is not JSON": (
@@ -281,8 +282,8 @@ def test_hostile_files_are_refused_in_one_sentence_and_run_nothing(case, tmp_pat
 
     import torch
 
-    from toolkit.checkpoint import load_checkpoint, verify_checkpoint
-    from toolkit.models import build_model
+    from toolkit.train.checkpoint import load_checkpoint, verify_checkpoint
+    from toolkit.models.nets import build_model
 
     make, read, words = HOSTILE[case]
     path = make(tmp_path)

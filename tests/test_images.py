@@ -8,11 +8,11 @@ import torch
 from conftest import ACCELERATE, CONFIGS, PY, ROOT, TORCHRUN, final_weights, max_weight_diff, read_json, run
 from image_folders import CLASSES, write_digit_folders, write_digit_parquet
 
-from toolkit.checkpoint import latest_checkpoint
+from toolkit.train.checkpoint import latest_checkpoint
 from toolkit.errors import UserError
-from toolkit.folder_data import open_images
-from toolkit.launcher import free_port
-from toolkit.vision_models import build_image_model, start_from_weights
+from toolkit.data.folder import open_images
+from toolkit.launch.launcher import free_port
+from toolkit.models.vision import build_image_model, start_from_weights
 
 IMAGES = ROOT / "recipes" / "images.py"
 FAST = ["--model", "tiny", "--image-size", "32", "--workers", "1"]  # the tiny net, seconds per epoch
@@ -142,7 +142,7 @@ def test_weights_start_a_model_with_a_new_head_for_another_class_count(tmp_path)
 def test_streaming_shards_count_every_val_image_once_and_an_epoch_resumes_where_it_stopped(tmp_path):
     from PIL import Image
 
-    from toolkit.folder_data import StreamingLoader
+    from toolkit.data.folder import StreamingLoader
 
     for i in range(9):  # 9 images: 2 ranks cannot split them evenly, so a padding sampler would repeat one
         for split in ("train", "val"):

@@ -8,9 +8,9 @@ from conftest import CONFIGS, TOOLKIT, run
 
 from toolkit.engines import resolve_engine
 from toolkit.errors import UserError
-from toolkit.launch_env import first_slurm_host, read_launch_env
-from toolkit.launcher import plan_launch, slurm_overrides
-from toolkit.profiles import load_profile
+from toolkit.launch.env import first_slurm_host, read_launch_env
+from toolkit.launch.launcher import plan_launch, slurm_overrides
+from toolkit.launch.profiles import load_profile
 
 TORCHRUN_ENV = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
                 "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x"}

@@ -8,7 +8,7 @@ import torch
 
 from conftest import ACCELERATE, CONFIGS, PY, SCRIPTS, TORCHRUN, read_json, run
 from reference import parity_reference
-from toolkit.launcher import free_port
+from toolkit.launch.launcher import free_port
 
 PARITY = SCRIPTS / "parity.py"
 B = 4

@@ -8,7 +8,7 @@ import pytest
 from conftest import CONFIGS, ROOT, SCRIPTS, TOOLKIT, run
 
 from toolkit import cli
-from toolkit.parity import Comparison, TensorDiff, expected_differences, judge
+from toolkit.check.parity import Comparison, TensorDiff, expected_differences, judge
 
 CPU = CONFIGS / "cpu.yaml"
 TARGET = SCRIPTS / "parity_target.py"

@@ -24,8 +24,8 @@ import torch
 from conftest import (ACCELERATE, CONFIGS, PY, ROOT, SCRIPTS, TOOLKIT, TORCHRUN, clean_env, final_weights,
                       max_weight_diff, read_json, run)
 
-from toolkit.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
-from toolkit.launcher import free_port
+from toolkit.train.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
+from toolkit.launch.launcher import free_port
 
 CIFAR = ROOT / "recipes" / "cifar.py"
 RECORD_WRITES = SCRIPTS / "record_summary_writes.py"
@@ -237,7 +237,7 @@ def write_cifar10_folder(root, train, test, batches=5):
 
 
 def test_cifar10_folder_with_odd_test_set_counts_every_image_once_on_two_ranks(tmp_path):
-    from toolkit.data import make_synthetic
+    from toolkit.data.memory import make_synthetic
 
     data = make_synthetic(num_train=1000, num_test=17, seed=1)
     write_cifar10_folder(tmp_path / "data", (data.train_x, data.train_y), (data.test_x, data.test_y))
@@ -265,7 +265,7 @@ def test_parquet_dataset_trains_in_one_process(tmp_path):
     import datasets
     from PIL import Image
 
-    from toolkit.data import make_synthetic
+    from toolkit.data.memory import make_synthetic
 
     data = make_synthetic(num_train=1200, num_test=101, seed=2)
     features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(num_classes=10)})

@@ -7,9 +7,9 @@ import pytest
 from conftest import ACCELERATE, CONFIGS, SCRIPTS, TORCHRUN, run
 from toolkit.engines import check_world
 from toolkit.errors import UserError
-from toolkit.launch_env import read_launch_env
-from toolkit.launcher import free_port, plan_launch
-from toolkit.profiles import load_profile
+from toolkit.launch.env import read_launch_env
+from toolkit.launch.launcher import free_port, plan_launch
+from toolkit.launch.profiles import load_profile
 
 PROBE = SCRIPTS / "probe.py"
 

@@ -14,10 +14,10 @@ import pytest
 from conftest import ACCELERATE, CONFIGS, PY, ROOT, TOOLKIT, TORCHRUN, read_json, run
 from digits import write_digits_cifar
 
-from toolkit.batching import plan_batches
+from toolkit.train.batching import plan_batches
 from toolkit.errors import UserError
-from toolkit.launcher import free_port
-from toolkit.presets import PRESETS, apply_preset
+from toolkit.launch.launcher import free_port
+from toolkit.train.presets import PRESETS, apply_preset
 
 CIFAR = ROOT / "recipes" / "cifar.py"
 # An SVM reaches ~0.99 on the digits; the tiny preset measured 0.963-0.987 over seeds 0-2 in one process.

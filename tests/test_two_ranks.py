@@ -4,7 +4,7 @@ machine, and gather_for_metrics must return exactly the 9 samples of a 9-sample 
 import pytest
 
 from conftest import ACCELERATE, CONFIGS, PY, SCRIPTS, TOOLKIT, TORCHRUN, read_json, run
-from toolkit.launcher import free_port
+from toolkit.launch.launcher import free_port
 
 PROBE = SCRIPTS / "probe.py"
 

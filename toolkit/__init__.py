@@ -7,8 +7,8 @@
 from toolkit.engines import ENGINES, build_accelerator, resolve_engine
 from toolkit.config import parse_config
 from toolkit.errors import UserError
-from toolkit.launch_env import LaunchEnv, read_launch_env
-from toolkit.spawn import spawn
+from toolkit.launch.env import LaunchEnv, read_launch_env
+from toolkit.launch.spawn import spawn
 
 __all__ = ["ENGINES", "LaunchEnv", "UserError", "build_accelerator", "parse_config", "read_launch_env", "resolve_engine",
            "spawn"]

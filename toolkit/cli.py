@@ -98,19 +98,19 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "launch":
-            from toolkit.launcher import launch
+            from toolkit.launch.launcher import launch
 
             return launch(args)
         if args.command == "parity":
-            from toolkit.parity import run_parity
+            from toolkit.check.parity import run_parity
 
             return run_parity(args)
         if args.command == "env":
-            from toolkit.envinfo import run_env
+            from toolkit.check.env import run_env
 
             return run_env(args)
         if args.command == "compare":
-            from toolkit.compare import run_compare
+            from toolkit.check.compare import run_compare
 
             return run_compare(args)
     except RunFailure as error:  # UserError included: one sentence, its own exit code

@@ -113,7 +113,7 @@ def write_error_file(error: RunFailure, said: bool):
     message = str(error) if error.quiet else f"error: {error}"
     stamp = int(time.time()) + (0 if said else 2)
     data = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(stamp)}},
-            "toolkit_said": said}  # toolkit.quiet_launch prints the sentence when no rank did
+            "toolkit_said": said}  # toolkit.launch.quiet prints the sentence when no rank did
     try:
         with open(path, "w") as f:
             json.dump(data, f)

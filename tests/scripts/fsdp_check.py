@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import toolkit
-from toolkit.data import MemoryLoader, normalize
-from toolkit.models import tiny
-from toolkit.training import evaluate
+from toolkit.data.memory import MemoryLoader, normalize
+from toolkit.models.nets import tiny
+from toolkit.train.common import evaluate
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
@@ -87,7 +87,7 @@ if accelerator.is_main_process:
 torch.manual_seed(5)
 fresh = net()
 fresh, fresh_optimizer = accelerator.prepare(fresh, sgd(fresh.parameters()))
-toolkit.weights.load_model(fresh, reference.state_dict())
+toolkit.models.weights.load_model(fresh, reference.state_dict())
 fresh_optimizer.load_state_dict(ref_state)
 xs, ys = X[:global_batch], Y[:global_batch]
 F.cross_entropy(reference(xs), ys).backward()

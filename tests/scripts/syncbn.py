@@ -5,7 +5,7 @@ import sys
 import torch
 
 import toolkit
-from toolkit.training import average_batchnorm_stats, batchnorm_layers, convert_sync_batchnorm
+from toolkit.train.common import average_batchnorm_stats, batchnorm_layers, convert_sync_batchnorm
 
 accelerator = toolkit.build_accelerator()
 torch.manual_seed(0)

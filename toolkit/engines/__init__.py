@@ -4,7 +4,7 @@ Which engine runs, in order of precedence:
 1. `build_accelerator(engine=...)` when it is not "auto";
 2. the TOOLKIT_ENGINE environment variable (`toolkit launch --engine E` sets it for its children);
 3. "auto", from how the process was launched: `accelerate launch` -> accelerate; torchrun, the legacy
-   torch.distributed.launch, toolkit.spawn, srun and mpirun -> ddp; plain `python` -> single.
+   torch.distributed.launch, toolkit.launch.spawn, srun and mpirun -> ddp; plain `python` -> single.
 An accelerate engine asked for FSDP (an FSDP profile) where accelerate cannot run it (no CUDA) becomes the
 fsdp engine, with a one-line notice: accelerate itself would train DDP without a word.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 
 from toolkit.errors import UserError, install_excepthook
-from toolkit.launch_env import LaunchEnv, read_launch_env
+from toolkit.launch.env import LaunchEnv, read_launch_env
 
 # Imported lazily so that choosing ddp never imports accelerate.
 ENGINES = {
@@ -75,7 +75,7 @@ def build_accelerator(engine: str = "auto", **kwargs):
     if env.num_nodes > 1 and not env.gloo_socket_ifname:
         # gloo would bind to whatever this host's name resolves to (often 127.0.0.1) and hand that to the
         # other machines; the interface that routes to the main node is the one they can reach.
-        from toolkit.rendezvous import pin_gloo_interface
+        from toolkit.launch.rendezvous import pin_gloo_interface
 
         pin_gloo_interface(env.master_addr)
     name = resolve_engine(engine, env)

@@ -21,7 +21,7 @@ from toolkit import errors
 from toolkit.engines.base import cpu_requested, has_gradients
 from toolkit.engines.ddp import nccl_error_handling
 from toolkit.errors import UserError
-from toolkit.parity_capture import build_recorder
+from toolkit.check.capture import build_recorder
 
 
 def _cache_lomo_probe():

@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from toolkit import errors
 from toolkit.errors import UserError
-from toolkit.launch_env import LaunchEnv
-from toolkit.parity_capture import build_recorder
+from toolkit.launch.env import LaunchEnv
+from toolkit.check.capture import build_recorder
 
 MIXED_PRECISION = ("no", "fp16", "bf16")
 
@@ -340,7 +340,7 @@ class TorchEngine:
         return model
 
     def unwrap_model(self, model):
-        from toolkit.weights import unwrap_model
+        from toolkit.models.weights import unwrap_model
 
         return unwrap_model(model)
 

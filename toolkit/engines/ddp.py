@@ -69,7 +69,7 @@ class RawDDPEngine(TorchEngine):
         wait = datetime.timedelta(seconds=timeout)
         if env.world_size == 1 and env.master_port is None:
             # A 1-process group still needs a store; a free local port keeps two such runs apart.
-            from toolkit.launcher import free_port
+            from toolkit.launch.launcher import free_port
 
             host, port = "127.0.0.1", free_port()
         else:

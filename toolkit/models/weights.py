@@ -78,7 +78,7 @@ def load_model(model, path, strict=True):
     """
     target = unwrap_model(model)
     expected = target.state_dict()
-    weights = _strip_wrapper_prefixes(_read_weights(path), expected)
+    weights = strip_wrapper_prefixes(read_weights(path), expected)
     missing, unexpected, reshaped = _compare_keys(expected, weights)
     if reshaped or (strict and (missing or unexpected)):
         source = "the given state dict" if isinstance(path, Mapping) else str(path)
@@ -98,7 +98,7 @@ def _is_sharded(state_dict):
     return dtensor is not None and any(isinstance(t, dtensor.DTensor) for t in state_dict.values())
 
 
-def _read_weights(source):
+def read_weights(source):
     if isinstance(source, Mapping):
         return dict(source)
     path = Path(source)
@@ -109,7 +109,7 @@ def _read_weights(source):
     return load_pt(path, "cpu")
 
 
-def _strip_wrapper_prefixes(weights, expected):
+def strip_wrapper_prefixes(weights, expected):
     # Peel one wrapper layer at a time and stop as soon as names fit, so a model whose own
     # submodule is called `module` keeps that part of its names.
     while weights and not weights.keys() & expected.keys():
@@ -162,11 +162,11 @@ def load_pt(path, map_location):
     except pickle.UnpicklingError as error:
         raise UserError(
             f"Refusing to load {path}: it holds pickled objects other than tensors and plain "
-            f"containers, which could run arbitrary code ({_refusal_reason(error)})."
+            f"containers, which could run arbitrary code ({refusal_reason(error)})."
         ) from error
 
 
-def _refusal_reason(error):
+def refusal_reason(error):
     # torch's message is a page of advice; the line naming the refused global is the news.
     match = re.search(r"WeightsUnpickler error: (.*?)\.(?:\s|$)", str(error))
     return match[1] if match else "unsupported pickle content"

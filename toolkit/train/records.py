@@ -88,7 +88,7 @@ def check_fresh_output_dir(output_dir: str | Path, resume: str | None, restarts:
 
     >>> check_fresh_output_dir("/nonexistent/run", None)
     """
-    from toolkit.parity_capture import read_parity_request
+    from toolkit.check.capture import read_parity_request
 
     if resume is not None or restarts or read_parity_request() is not None:
         return

@@ -10,7 +10,7 @@ size and mode (L, RGBA, P, CMYK are read as RGB), decoded by DataLoader workers.
 Training: RandomResizedCrop + horizontal flip (torchvision's reference recipe); evaluation: resize to 256/224 of
 the size, centre crop. A sample's augmentation is seeded by (seed, epoch, index), so it does not depend on the
 worker that decodes it, and a resumed epoch continues exactly. Evaluation shards are disjoint (rank r takes
-r::W, no padding), so `toolkit.training.evaluate` counts every image once under any world size.
+r::W, no padding), so `toolkit.train.common.evaluate` counts every image once under any world size.
 
 An unreadable image file stops the run with one sentence naming it (exit 2): training on a silently shrunken
 dataset is the kind of wrong nobody notices.
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from toolkit.data import AUGMENTATIONS, _mix
+from toolkit.data.memory import AUGMENTATIONS, mix_seed
 from toolkit.errors import UserError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)  # torchvision's weights expect these (references/classification)
@@ -76,7 +76,7 @@ class ImageFiles(Dataset):
         # own; in the main process (workers=0) the seeding must not leak into dropout and the like.
         in_worker = torch.utils.data.get_worker_info() is not None
         with contextlib.nullcontext() if in_worker else torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_mix(self.seed, epoch, index))
+            torch.manual_seed(mix_seed(self.seed, epoch, index))
             return self.transform(image), self.labels[index]
 
 
@@ -91,7 +91,7 @@ class ImageSplits:
 def open_images(spec: str, cache_dir: str | Path = "data") -> ImageSplits:
     """An ImageFolder-layout folder, or `hf:PATH` (a save_to_disk folder or parquet files)."""
     if spec.startswith("hf:"):
-        return _open_hf_images(spec[3:], Path(cache_dir) / "hf_cache")
+        return open_hf_images(spec[3:], Path(cache_dir) / "hf_cache")
     root = Path(spec).expanduser()
     train = root / "train"
     val = next((root / name for name in ("val", "test") if (root / name).is_dir()), None)
@@ -125,13 +125,13 @@ def _scan(folder: Path):
     return classes, files
 
 
-def _open_hf_images(spec: str, cache_dir: Path) -> ImageSplits:
+def open_hf_images(spec: str, cache_dir: Path) -> ImageSplits:
     import datasets
 
-    from toolkit.hf_data import _find_columns, _open_hf, _pick_splits
+    from toolkit.data.hf import find_columns, open_hf, pick_splits
 
-    train, val = _pick_splits(_open_hf(spec, cache_dir), spec)
-    image_col, label_col = _find_columns(train, spec)
+    train, val = pick_splits(open_hf(spec, cache_dir), spec)
+    image_col, label_col = find_columns(train, spec)
     feature = train.features[label_col]
     labels = {name: [int(v) for v in split[label_col]] for name, split in (("train", train), ("val", val))}
     if isinstance(feature, datasets.ClassLabel):
@@ -188,7 +188,7 @@ class StreamingLoader:
     """Batches decoded by DataLoader workers, moved to `device`. Train: this rank's DistributedSampler share,
     whole batches only; eval: the disjoint shard r::W, every image once."""
 
-    resumes_mid_epoch = True  # toolkit.training.epoch_batches calls set_epoch(epoch, start_batch)
+    resumes_mid_epoch = True  # toolkit.train.common.epoch_batches calls set_epoch(epoch, start_batch)
 
     def __init__(self, images: ImageFiles, batch_size: int, *, rank: int, world_size: int, seed: int, image_size: int,
                  train: bool, augment: str = "crop-flip", workers: int = 2, device="cpu"):

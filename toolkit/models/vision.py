@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from toolkit.errors import UserError
-from toolkit.models import MODELS, build_model
+from toolkit.models.nets import MODELS, build_model
 
 TOOLKIT_PREFIX = "toolkit:"  # "toolkit:resnet18" is the toolkit's 32x32 ResNet-18, "resnet18" torchvision's
 
@@ -76,10 +76,10 @@ def _probe(model, name: str, image_size: int, num_classes: int):
 def start_from_weights(model: torch.nn.Module, path: str, say) -> None:
     """Load a state dict from `path` into `model`; tensors whose shape differs from the model's (a classifier
     head for another class count) are left as initialised, which `say` reports in one line."""
-    from toolkit.weights import _read_weights, _strip_wrapper_prefixes, load_model
+    from toolkit.models.weights import read_weights, strip_wrapper_prefixes, load_model
 
     expected = model.state_dict()
-    weights = _strip_wrapper_prefixes(_read_weights(path), expected)
+    weights = strip_wrapper_prefixes(read_weights(path), expected)
     fresh = [k for k, v in weights.items() if k in expected and v.shape != expected[k].shape]
     heads = sorted({k.rsplit(".", 1)[0] for k in fresh})
     if fresh and len(heads) > 2:  # more than one head layer differs: the file is another architecture

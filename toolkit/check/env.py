@@ -27,8 +27,8 @@ from importlib.metadata import PackageNotFoundError, version
 import toolkit
 from toolkit.engines import FSDP_WITHOUT_CUDA, resolve_engine
 from toolkit.errors import UserError
-from toolkit.launch_env import read_launch_env
-from toolkit.launcher import (
+from toolkit.launch.env import read_launch_env
+from toolkit.launch.launcher import (
     check_devices,
     format_plan,
     plan_launch,
@@ -36,8 +36,8 @@ from toolkit.launcher import (
     slurm_overrides,
     visible_gpus,
 )
-from toolkit.profiles import Profile, check_profile, load_profile
-from toolkit.rendezvous import check_main_host, resolve_host
+from toolkit.launch.profiles import Profile, check_profile, load_profile
+from toolkit.launch.rendezvous import check_main_host, resolve_host
 
 # What torchrun and `accelerate launch` leave in their children's environment: set in the shell that starts a
 # new job, they make its processes think they belong to the old one. (SLURM's and MPI's own variables are the

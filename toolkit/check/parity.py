@@ -6,7 +6,7 @@
 Each side is started by the launcher (`plan_launch` + the profile) with the script's arguments followed by
 its own --args-a/--args-b (given last, they win for a flag given twice). The engines record the loss of
 every optimizer step, averaged over ranks, save the unwrapped weights after step K and stop the run
-(toolkit/parity_capture.py); this module compares the two records.
+(toolkit/check/capture.py); this module compares the two records.
 
 Exit codes: 0 the runs agree within the tolerance; 3 they differ and the setups explain why (BatchNorm
 over different per-process batches, mixed precision, dropout, TF32); 1 they differ and nothing explains
@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 from toolkit.errors import RunFailure, UserError, report
-from toolkit.launcher import format_plan, plan_launch
-from toolkit.parity_capture import MODEL_FILE, PARITY_DIR, PARITY_STEPS, RECORD_FILE
-from toolkit.profiles import Profile, check_profile, load_profile
+from toolkit.launch.launcher import format_plan, plan_launch
+from toolkit.check.capture import MODEL_FILE, PARITY_DIR, PARITY_STEPS, RECORD_FILE
+from toolkit.launch.profiles import Profile, check_profile, load_profile
 
 EXIT_AGREE, EXIT_UNEXPLAINED, EXIT_EXPLAINED = 0, 1, 3
 LOG_TAIL_LINES = 20

@@ -27,7 +27,7 @@ except ImportError:  # numpy is optional: its RNG state is then not saved
     np = None
 
 from toolkit.errors import UserError
-from toolkit.weights import _refusal_reason, load_model, load_pt as _load_pt, save_model, unwrap_model  # noqa: F401
+from toolkit.models.weights import load_model, load_pt as _load_pt, refusal_reason, save_model, unwrap_model  # noqa: F401
 
 _CHECKPOINT_NAME = re.compile(r"step-(\d+)")
 _LEFTOVER_NAME = re.compile(r"\.(?:tmp|old)-step-\d+-(\d+)")
@@ -154,7 +154,7 @@ def _save_pt(obj, path):
     except pickle.UnpicklingError as error:
         raise UserError(
             f"{path.name} would hold objects other than tensors and plain containers, so it "
-            f"could not be loaded safely ({_refusal_reason(error)}); keep its state_dict plain."
+            f"could not be loaded safely ({refusal_reason(error)}); keep its state_dict plain."
         ) from error
 
 

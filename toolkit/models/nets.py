@@ -3,7 +3,7 @@
 Models here are plain PyTorch and know nothing about distribution: engines wrap them afterwards
 (DDP, FSDP, Accelerate) in their own `prepare()`.
 
-    >>> from toolkit.models import build_model
+    >>> from toolkit.models.nets import build_model
     >>> build_model("tiny", num_classes=10)(torch.zeros(4, 3, 32, 32)).shape
     torch.Size([4, 10])
 """

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from toolkit.batching import BatchPlan
-from toolkit.checkpoint import gather_rng_states, latest_checkpoint, load_checkpoint, read_state, save_checkpoint
+from toolkit.train.batching import BatchPlan
+from toolkit.train.checkpoint import gather_rng_states, latest_checkpoint, load_checkpoint, read_state, save_checkpoint
 from toolkit.errors import RunFailure, UserError
-from toolkit.records import Throughput
-from toolkit.training import is_peer_failure, peer_failure_message, resume_position, step_status
+from toolkit.train.records import Throughput
+from toolkit.train.common import is_peer_failure, peer_failure_message, resume_position, step_status
 
 
 @dataclass

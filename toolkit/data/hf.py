@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from toolkit.data import ImageData
+from toolkit.data.dataset import ImageData
 from toolkit.errors import UserError
 
 
@@ -25,8 +25,8 @@ def load_hf(spec: str, data_dir: str | Path) -> ImageData:
     """
     import datasets
 
-    train, test = _pick_splits(_open_hf(spec, Path(data_dir).expanduser() / "hf_cache"), spec)
-    image_col, label_col = _find_columns(train, spec)
+    train, test = pick_splits(open_hf(spec, Path(data_dir).expanduser() / "hf_cache"), spec)
+    image_col, label_col = find_columns(train, spec)
     train_y = torch.from_numpy(np.asarray(train[label_col], dtype=np.int64))
     test_y = torch.from_numpy(np.asarray(test[label_col], dtype=np.int64))
     feature = train.features[label_col]  # a ClassLabel knows classes that may not occur in the data
@@ -40,7 +40,7 @@ def load_hf(spec: str, data_dir: str | Path) -> ImageData:
     return ImageData(train_x, train_y, test_x, test_y, num_classes, f"hf:{spec}")
 
 
-def _open_hf(spec: str, cache_dir: Path):
+def open_hf(spec: str, cache_dir: Path):
     import datasets
 
     path = Path(spec).expanduser()
@@ -79,7 +79,7 @@ def _parquet_splits(files: list[Path]) -> dict[str, list[str]]:
     return splits
 
 
-def _pick_splits(dataset, spec: str):
+def pick_splits(dataset, spec: str):
     import datasets
 
     names = [] if isinstance(dataset, datasets.Dataset) else list(dataset.keys())
@@ -90,7 +90,7 @@ def _pick_splits(dataset, spec: str):
     return dataset["train"], dataset[test_name]
 
 
-def _find_columns(split, spec: str) -> tuple[str, str]:
+def find_columns(split, spec: str) -> tuple[str, str]:
     columns = split.column_names
     image_col = next((c for c in ("img", "image") if c in columns), None)
     label_col = next((c for c in ("label", "fine_label", "labels") if c in columns), None)

@@ -3,7 +3,7 @@ augmentation (AUGMENTATIONS: random 32-crop of the 4-pixel zero-padded image, th
 for "crop-flip"; flips are wrong for digits and text, so "crop" and "none" exist) and normalisation: `MemoryLoader` (whole dataset on the device, world-size-independent sharding) and
 `build_torch_loader` (a plain DataLoader with torchvision transforms).
 
-    >>> data = load_data("synthetic", data_dir="data", seed=0)
+    >>> data = make_synthetic(seed=0)
     >>> loader = MemoryLoader(data.train_x, data.train_y, 64, rank=0, world_size=2, seed=0)
     >>> loader.set_epoch(0)
     >>> x, y = next(iter(loader))       # x: float32 64 x 3 x 32 x 32, y: int64 64
@@ -13,23 +13,22 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from toolkit.data.dataset import ImageData
+from toolkit.data.safe_pickle import load_restricted
 from toolkit.errors import UserError
-from toolkit.safe_pickle import load_restricted
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)  # per-channel mean of the CIFAR-10 training set, in [0, 1]
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
 PAD = 4  # pixels of zero padding before the random 32x32 crop
-DATASET_CHOICES = "cifar10, cifar100, synthetic or hf:NAME_OR_PATH"
 AUGMENTATIONS = ("crop-flip", "crop", "none")
 
-_CIFAR = {  # URL and md5 as in torchvision.datasets.CIFAR10 / CIFAR100
+CIFAR_SPECS = {  # URL and md5 as in torchvision.datasets.CIFAR10 / CIFAR100
     "cifar10": dict(folder="cifar-10-batches-py", train=[f"data_batch_{i}" for i in range(1, 6)],
                     test=["test_batch"], label_key=b"labels", num_classes=10,
                     url="https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
@@ -40,32 +39,6 @@ _CIFAR = {  # URL and md5 as in torchvision.datasets.CIFAR10 / CIFAR100
 }
 
 
-@dataclass(frozen=True)
-class ImageData:
-    """A train/test split: images uint8 N x 3 x 32 x 32 (NCHW), labels int64 N, on the CPU."""
-
-    train_x: torch.Tensor
-    train_y: torch.Tensor
-    test_x: torch.Tensor
-    test_y: torch.Tensor
-    num_classes: int
-    name: str
-
-
-def load_data(dataset: str, data_dir: str | Path, seed: int) -> ImageData:
-    """Load `dataset` ("cifar10", "cifar100", "synthetic" or "hf:NAME_OR_PATH"), e.g.
-    `load_data("cifar10", "data", seed=0)`; `seed` only matters for "synthetic"."""
-    if dataset in _CIFAR:
-        return load_cifar(dataset, data_dir)
-    if dataset == "synthetic":
-        return make_synthetic(seed=seed)
-    if dataset.startswith("hf:") and len(dataset) > 3:
-        from toolkit.hf_data import load_hf  # imports datasets only when asked for
-
-        return load_hf(dataset[3:], data_dir)
-    raise UserError(f"Unknown dataset {dataset!r}; choose {DATASET_CHOICES} with --dataset.")
-
-
 def load_cifar(name: str, data_dir: str | Path, download: bool = True) -> ImageData:
     """Read CIFAR-10/100 from the torchvision on-disk layout under `data_dir`, downloading it if
     missing, e.g. `load_cifar("cifar10", "data")`.
@@ -73,9 +46,9 @@ def load_cifar(name: str, data_dir: str | Path, download: bool = True) -> ImageD
     We read the pickles ourselves because torchvision.datasets.CIFAR10 md5-checks every file,
     which rejects the small folders the tests write.
     """
-    if name not in _CIFAR:
+    if name not in CIFAR_SPECS:
         raise UserError(f"Unknown CIFAR dataset {name!r}; choose cifar10 or cifar100 with --dataset.")
-    spec = _CIFAR[name]
+    spec = CIFAR_SPECS[name]
     folder = Path(data_dir).expanduser() / spec["folder"]
     if not folder.is_dir():
         _download_cifar(name, spec, folder, download)
@@ -133,7 +106,7 @@ def _read_cifar_files(folder: Path, names: list[str], label_key: bytes, num_clas
         try:
             with open(path, "rb") as f:
                 # Mirrors serve these files too, and a pickle can run code: only the globals a CIFAR batch
-                # needs are allowed (toolkit/safe_pickle.py).
+                # needs are allowed (toolkit/data/safe_pickle.py).
                 batch = load_restricted(f, str(path))
             data, labels = np.asarray(batch[b"data"]), np.asarray(batch[label_key], dtype=np.int64)
         except UserError:
@@ -239,7 +212,7 @@ def _gather_crops(src, src_idx, dy, dx, flip, size: int = 32) -> torch.Tensor:
     return src.reshape(-1)[flat]
 
 
-def _mix(*values: int) -> int:
+def mix_seed(*values: int) -> int:
     """A seed that is a pure function of `values` (seed, epoch, step), so runs are reproducible."""
     h = 0
     for v in values:
@@ -318,7 +291,7 @@ class MemoryLoader:
 
     def _train_batches(self, start: int):
         # The permutation is drawn on the CPU so it is identical on every device type.
-        generator = torch.Generator().manual_seed(_mix(self.seed, self.epoch))
+        generator = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch))
         perm = torch.randperm(len(self.images), generator=generator)
         augment = _draw_augment(len(perm), generator, self.device, self.augment)  # one per position in the epoch
         perm = perm.to(self.device)  # copied once per epoch; every step below indexes on the device

@@ -20,18 +20,18 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from toolkit.batching import plan_batches
+from toolkit.train.batching import plan_batches
 from toolkit.engines import ENGINES, build_accelerator
 from toolkit.errors import UserError
-from toolkit.records import RunRecorder, check_fresh_output_dir
-from toolkit.run_state import RunState, agreed_restart_count, check_loss, peer_failures
-from toolkit.training import StopRequest, average_batchnorm_stats, convert_sync_batchnorm, epoch_batches, evaluate
-from toolkit.training import warmup_linear_decay
+from toolkit.train.records import RunRecorder, check_fresh_output_dir
+from toolkit.train.run_state import RunState, agreed_restart_count, check_loss, peer_failures
+from toolkit.train.common import StopRequest, average_batchnorm_stats, convert_sync_batchnorm, epoch_batches, evaluate
+from toolkit.train.common import warmup_linear_decay
 
 
 @dataclass
 class TrainingConfig:
-    # None below: the model's preset (toolkit/presets.py, each value with its source).
+    # None below: the model's preset (toolkit/train/presets.py, each value with its source).
     global_batch_size: int | None = field(default=None, metadata={"help": "images per optimizer step, all processes; from the preset"})
     micro_batch_size: int | None = field(default=None, metadata={"help": "images per process per forward "
                                          "(caps memory; default: global batch / processes)"})

@@ -187,7 +187,7 @@ class ParityRecorder:
         }
 
     def _save_and_stop(self):
-        from toolkit.weights import save_model
+        from toolkit.models.weights import save_model
 
         engine = self.engine
         states = [engine.get_state_dict(model) for model in self.models]  # every rank: fsdp gathers its shards

@@ -1,7 +1,7 @@
 """Run `accelerate launch` or torchrun as `toolkit launch`'s child, reporting a failed worker in one line.
 
-    python -m toolkit.quiet_launch torch.distributed.run --nproc_per_node 2 train.py
-    python -m toolkit.quiet_launch accelerate.commands.launch --config_file cpu.yaml train.py
+    python -m toolkit.launch.quiet torch.distributed.run --nproc_per_node 2 train.py
+    python -m toolkit.launch.quiet accelerate.commands.launch --config_file cpu.yaml train.py
 
 Both launchers are torchelastic agents: when a worker fails they log each step and then raise
 ChildFailedError with a 20-line report and their own traceback. Under `toolkit launch` the worker has

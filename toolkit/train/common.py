@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from toolkit.data import MemoryLoader
+from toolkit.data.memory import MemoryLoader
 
 
 @torch.no_grad()

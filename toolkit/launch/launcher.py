@@ -23,13 +23,13 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from toolkit import rendezvous
+from toolkit.launch import rendezvous
 from toolkit.engines import ENGINES
 
 TORCHRUN_ENGINES = ("ddp", "fsdp")  # one process per device, started by torchrun
 from toolkit.errors import UserError
-from toolkit.launch_env import LaunchEnv, read_launch_env
-from toolkit.profiles import Profile, check_profile, load_profile
+from toolkit.launch.env import LaunchEnv, read_launch_env
+from toolkit.launch.profiles import Profile, check_profile, load_profile
 
 
 MULTI_NODE_PORT = 29500  # a multi-node profile without a port: torchrun's and accelerate's default
@@ -220,10 +220,10 @@ QUIET_LAUNCHERS = ("torch.distributed.run", "accelerate.commands.launch")
 
 
 def quiet_command(command: list[str]) -> list[str]:
-    """The same launcher run through toolkit.quiet_launch: a worker's error is then its one sentence and
+    """The same launcher run through toolkit.launch.quiet: a worker's error is then its one sentence and
     exit code, without torchelastic's report and traceback around it."""
     if command[1:2] == ["-m"] and command[2] in QUIET_LAUNCHERS:
-        return [command[0], "-m", "toolkit.quiet_launch", *command[2:]]
+        return [command[0], "-m", "toolkit.launch.quiet", *command[2:]]
     return command
 
 
