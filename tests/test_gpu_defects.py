@@ -172,3 +172,34 @@ def test_each_rank_restores_its_own_rng_state(tmp_path):
     proc = run(["torchrun", "--nproc_per_node", "2", "--master_port", free_port(), SCRIPTS / "rng_ranks.py", tmp_path],
                timeout=120)
     assert proc.stdout.count("own rng restored") == 2, proc.stdout
+
+
+@pytest.mark.parametrize("skip_nonfinite", [False, True])
+def test_no_host_sync_between_the_loss_and_backward(skip_nonfinite, tmp_path, monkeypatch):
+    # Defect 8: the per-step status (.tolist() of every rank's loss) ran before backward, so on a GPU the
+    # host waited for the forward before it could queue the backward. Now it is read after backward is
+    # queued; only --skip-nonfinite, which must know the skipping ranks before their backward, reads it first.
+    import importlib.util
+
+    from conftest import ROOT
+    from toolkit.engines.base import TorchEngine
+
+    spec = importlib.util.spec_from_file_location("cifar_recipe_syncs", ROOT / "recipes" / "cifar.py")
+    cifar = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cifar)
+    events = []
+    for name in ("tolist", "item"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, _f=original: (events.append("sync"), _f(self))[1])
+    original_ce, original_backward = torch.nn.functional.cross_entropy, TorchEngine.backward
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy",
+                        lambda *a, **k: (events.append("loss"), original_ce(*a, **k))[1])
+    monkeypatch.setattr(TorchEngine, "backward",
+                        lambda *a, **k: (events.append("backward"), original_backward(*a, **k))[1])
+    cifar.main(["--dataset", "synthetic", "--model", "tiny", "--max-steps", "3", "--epochs", "1", "--eval-every", "1",
+                "--output-dir", str(tmp_path / "out"), *(["--skip-nonfinite"] if skip_nonfinite else [])])
+    steps = "".join("L" if e == "loss" else "B" if e == "backward" else "s" for e in events)
+    training = [i for i, c in enumerate(steps) if c == "L"][:3]  # evaluation's losses come after
+    between = [steps[i + 1:steps.find("B", i)] for i in training]
+    assert len(between) == 3 and steps.count("B") == 3, steps
+    assert all(("s" in part) == skip_nonfinite for part in between), steps

@@ -159,13 +159,18 @@ class StopRequest:
         return False
 
 
-def step_status(loss, stop: StopRequest, accelerator):
-    """One small all-gather per micro-step: (every rank's loss, ranks whose loss is not finite, whether any
-    rank was asked to stop). All ranks get the same answer, so they skip or stop together."""
+def gather_step_status(loss, stop: StopRequest, accelerator) -> torch.Tensor:
+    """One small all-gather per micro-step, left on the device: a world x 2 tensor of every rank's loss and
+    whether it was asked to stop. `read_step_status` brings it to the host (the step's one sync)."""
     mine = torch.stack([loss.detach().float().reshape(()),
                         torch.tensor(float(stop.requested), device=loss.device)]).unsqueeze(0)
-    # One host sync per micro-step (it was three): the skip decision must be known before backward.
-    rows = accelerator.gather(mine).tolist()
+    return accelerator.gather(mine)
+
+
+def read_step_status(status: torch.Tensor):
+    """(every rank's loss, ranks whose loss is not finite, whether any rank was asked to stop), the same on
+    every rank, so they skip or stop together."""
+    rows = status.tolist()
     losses = [row[0] for row in rows]
     bad = [rank for rank, loss in enumerate(losses) if not math.isfinite(loss)]
     return torch.tensor(losses), bad, any(row[1] for row in rows)

@@ -26,7 +26,7 @@ from toolkit.errors import UserError
 from toolkit.train.records import RunRecorder, check_fresh_output_dir
 from toolkit.train.run_state import RunState, agreed_restart_count, check_loss, peer_failures
 from toolkit.train.common import StopRequest, average_batchnorm_stats, convert_sync_batchnorm, epoch_batches, evaluate
-from toolkit.train.common import warmup_linear_decay
+from toolkit.train.common import gather_step_status, warmup_linear_decay
 
 
 @dataclass
@@ -121,8 +121,11 @@ def train_epoch(run: RunState, cfg, loader, records, progress, stop: StopRequest
             loss = F.cross_entropy(model(images), labels, label_smoothing=cfg.label_smoothing)
             if run.step + 1 == cfg.debug_nan_step and accelerator.is_main_process:
                 loss = loss * float("nan")
-            losses, bad_ranks, stopping = check_loss(loss, run, stop, cfg.skip_nonfinite)
-            if not bad_ranks:
+            status = gather_step_status(loss, stop, accelerator)  # on the device: no host sync yet
+            if not cfg.skip_nonfinite:  # backward is queued before the sync; a NaN still stops before the step
+                accelerator.backward(loss)
+            losses, bad_ranks, stopping = check_loss(status, run, cfg.skip_nonfinite)
+            if cfg.skip_nonfinite and not bad_ranks:  # which ranks skip must be known before their backward
                 accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

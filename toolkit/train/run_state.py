@@ -19,7 +19,7 @@ from toolkit.train.batching import BatchPlan
 from toolkit.train.checkpoint import gather_rng_states, latest_checkpoint, load_checkpoint, read_state, save_checkpoint
 from toolkit.errors import RunFailure, UserError
 from toolkit.train.records import Throughput
-from toolkit.train.common import is_peer_failure, peer_failure_message, resume_position, step_status
+from toolkit.train.common import is_peer_failure, peer_failure_message, read_step_status, resume_position
 
 
 @dataclass
@@ -100,10 +100,10 @@ def agreed_restart_count(accelerator) -> int:
     return int(counts.max())
 
 
-def check_loss(loss, run: RunState, stop, skip_nonfinite: bool):
-    """(every rank's loss, ranks whose loss is not finite, whether to stop), the same on every rank; a
-    non-finite loss stops the run in one sentence unless `skip_nonfinite`."""
-    losses, bad_ranks, stopping = step_status(loss, stop, run.accelerator)
+def check_loss(status, run: RunState, skip_nonfinite: bool):
+    """(every rank's loss, ranks whose loss is not finite, whether to stop) from `gather_step_status`, the same
+    on every rank; a non-finite loss stops the run in one sentence unless `skip_nonfinite`."""
+    losses, bad_ranks, stopping = read_step_status(status)
     if bad_ranks and not skip_nonfinite:
         raise RunFailure(f"the loss is not finite at step {run.step + 1} on rank(s) {bad_ranks}; stopped with the "
                          f"checkpoints of step {run.step} and before intact (--skip-nonfinite skips such steps).")
