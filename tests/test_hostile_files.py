@@ -307,7 +307,52 @@ HOSTILE = {  # name -> (make the file given tmp_path, how it is read given the f
         lambda t: hostile_checkpoint(t, lambda p: (p / "state.json").write_text("[1, 2]")), "load", "not an object"),
     "optimizer.pt pickling a call": (
         lambda t: hostile_checkpoint(t, _pickled_optimizer(t / "ran")), "load", "Refusing to load"),
+    # A resume reads state.json's keys: a file without them (hand-edited, another tool's) is named with the key.
+    "state.json without step": (lambda t: hostile_checkpoint(t, _state_edit(lambda s: s.pop("step"))), "resume",
+                                "state.json has no 'step', which a resume needs"),
+    "state.json without config": (lambda t: hostile_checkpoint(t, _state_edit(lambda s: s.pop("config"))), "resume",
+                                  "state.json has no 'config', which a resume needs"),
+    "state.json with a text epoch": (lambda t: hostile_checkpoint(t, _state_edit(lambda s: s.update(epoch="1"))),
+                                     "resume", "state.json holds 'epoch' = '1', not a whole number"),
+    "state.json naming no model": (lambda t: hostile_checkpoint(t, _state_edit(lambda s: s.update(config={}))),
+                                   "resume", "state.json names no model in 'config'"),
+    "state.json that is not JSON, resumed": (
+        lambda t: hostile_checkpoint(t, lambda p: (p / "state.json").write_text("{not json")), "resume",
+        "state.json is unreadable"),
+    "rng.pt without RNG states": (lambda t: hostile_checkpoint(t, _rng_edit({"ranks": [{"python": 1}]})), "load",
+                                  "rng.pt does not hold RNG states"),
 }
+
+
+def _state_edit(change):
+    def edit(path):
+        import json
+
+        state = json.loads((path / "state.json").read_text())
+        change(state)
+        (path / "state.json").write_text(json.dumps(state))
+    return edit
+
+
+def _rng_edit(saved):
+    def edit(path):
+        import torch
+
+        torch.save(saved, path / "rng.pt")
+    return edit
+
+
+def resume_the_recipe(path, out):
+    """The CIFAR recipe resuming from `path` in this process, as `--resume PATH` does."""
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("cifar_recipe", ROOT / "recipes" / "cifar.py")
+    cifar = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cifar)
+    cifar.main(["--dataset", "synthetic", "--model", "tiny", "--max-steps", "1", "--output-dir", str(out),
+                "--resume", str(path)])
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
@@ -330,9 +375,15 @@ def test_hostile_files_are_refused_in_one_sentence_and_run_nothing(case, tmp_pat
         model = build_model("tiny", 10)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         read = lambda p: load_checkpoint(p, model=model, optimizer=optimizer)  # noqa: E731
-    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    elif read == "resume":
+        read = lambda p: resume_the_recipe(p, tmp_path / "out")  # noqa: E731
+
+    def outside_out():
+        return sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.relative_to(tmp_path).parts[0] != "out")
+
+    before = outside_out()
     with pytest.raises(UserError) as raised:
         read(path)
     assert words in str(raised.value) and "\n" not in str(raised.value), str(raised.value)
     assert not (tmp_path / "ran").exists()
-    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
+    assert outside_out() == before  # nothing written outside --output-dir
