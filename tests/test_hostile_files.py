@@ -272,6 +272,22 @@ def hostile_checkpoint(tmp_path, edit):
     return path
 
 
+PROFILE = "distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: 'no'\n"
+
+
+def run_folder(tmp_path, summary):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "summary.json").write_text(summary)
+    return tmp_path / "run"
+
+
+def read_run_table(path):
+    """What `toolkit compare RUN` reads and prints."""
+    from toolkit.compare import read_run, table
+
+    return table([read_run(path)])
+
+
 def written(path, text):
     path.write_text(text)
     return path
@@ -298,6 +314,21 @@ HOSTILE = {  # name -> (make the file given tmp_path, how it is read given the f
         lambda p: __import__("toolkit.profiles").profiles.load_profile(str(p)), "YAML"),
     "profile that is a list": (lambda t: written(t / "p.yaml", "- 1\n- 2\n"),
                                lambda p: __import__("toolkit.profiles").profiles.load_profile(str(p)), "p.yaml"),
+    # Values of the wrong type that accelerate's parser lets through: a crash, or (use_cpu 'false', a true
+    # string) a silently different run.
+    "profile with use_cpu as text": (lambda t: written(t / "p.yaml", PROFILE + "use_cpu: 'false'\n"),
+                                     lambda p: __import__("toolkit.profiles").profiles.load_profile(str(p)),
+                                     "use_cpu must be true or false, not 'false'"),
+    "profile with num_processes as a word": (lambda t: written(t / "p.yaml", "distributed_type: MULTI_GPU\n"
+                                                               "num_processes: two\n"),
+                                             lambda p: __import__("toolkit.profiles").profiles.load_profile(str(p)),
+                                             "num_processes must be a whole number, not 'two'"),
+    "profile with a fractional port": (lambda t: written(t / "p.yaml", PROFILE + "main_process_port: 1.5\n"),
+                                       lambda p: __import__("toolkit.profiles").profiles.load_profile(str(p)),
+                                       "main_process_port must be a whole number, not 1.5"),
+    "summary.json that is a list": (lambda t: run_folder(t, "[1]"), read_run_table, "holds a list, not the object"),
+    "summary.json with a text accuracy": (lambda t: run_folder(t, '{"global_batch_size": 4, "test_accuracy": "x"}'),
+                                          read_run_table, "holds 'test_accuracy' = 'x', not a number"),
     "manifest naming a file outside the checkpoint": (
         lambda t: hostile_checkpoint(t, lambda p: None), "manifest-outside", "not a file of the checkpoint"),
     "state.json that is not JSON": (
