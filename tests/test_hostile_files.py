@@ -329,6 +329,9 @@ HOSTILE = {  # name -> (make the file given tmp_path, how it is read given the f
     "summary.json that is a list": (lambda t: run_folder(t, "[1]"), read_run_table, "holds a list, not the object"),
     "summary.json with a text accuracy": (lambda t: run_folder(t, '{"global_batch_size": 4, "test_accuracy": "x"}'),
                                           read_run_table, "holds 'test_accuracy' = 'x', not a number"),
+    "summary.json that is a folder": (lambda t: (run_folder(t, "{}") / "summary.json").unlink() or
+                                      (t / "run" / "summary.json").mkdir() or t / "run", read_run_table,
+                                      "is not a run this toolkit wrote"),
     "manifest naming a file outside the checkpoint": (
         lambda t: hostile_checkpoint(t, lambda p: None), "manifest-outside", "not a file of the checkpoint"),
     "state.json that is not JSON": (
@@ -418,3 +421,13 @@ def test_hostile_files_are_refused_in_one_sentence_and_run_nothing(case, tmp_pat
     assert words in str(raised.value) and "\n" not in str(raised.value), str(raised.value)
     assert not (tmp_path / "ran").exists()
     assert outside_out() == before  # nothing written outside --output-dir
+
+
+def test_a_latest_pointer_that_is_a_folder_is_ignored_with_a_warning(tmp_path, capsys):
+    from toolkit.checkpoint import latest_checkpoint
+
+    path = hostile_checkpoint(tmp_path, lambda p: None)
+    (path.parent / "latest").unlink(missing_ok=True)
+    (path.parent / "latest").mkdir()
+    assert latest_checkpoint(path.parent) == path
+    assert capsys.readouterr().err == f"warning: ignoring {path.parent / 'latest'}: it does not name a checkpoint\n"

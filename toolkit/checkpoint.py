@@ -282,8 +282,10 @@ def latest_checkpoint(root):
 def _read_pointer(root):
     try:
         name = (root / "latest").read_text().strip()
-    except (FileNotFoundError, UnicodeDecodeError):
+    except FileNotFoundError:
         return None
+    except (OSError, UnicodeDecodeError):  # a folder or unreadable bytes: warned about below, then ignored
+        name = ""
     if not _CHECKPOINT_NAME.fullmatch(name):
         print(f"warning: ignoring {root / 'latest'}: it does not name a checkpoint", file=sys.stderr)
         return None

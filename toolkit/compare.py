@@ -50,7 +50,7 @@ def read_run(folder: str | Path) -> RunRecord:
         epochs = _rows(path / "epochs.csv", "test_accuracy", global_batch)
     except FileNotFoundError:
         raise UserError(f"{path} holds no summary.json, so it is not a finished run; give the --output-dir of one.")
-    except (ValueError, KeyError, TypeError) as error:
+    except (ValueError, KeyError, TypeError, OSError) as error:  # OSError: summary.json is a folder, say
         raise UserError(f"{path} is not a run this toolkit wrote (unreadable summary.json or metrics: "
                         f"{type(error).__name__}: {error}).") from None
     return RunRecord(path, summary, steps, epochs)
