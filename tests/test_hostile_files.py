@@ -200,7 +200,7 @@ def test_a_port_held_by_another_service_is_named_as_such(speaks_first, capfd):
     message = str(raised.value)
     assert "another service" in message and "main_process_port" in message and "\n" not in message, message
     # Nothing else on either stream (torch's client logs each retry with a C++ stack trace on fd 2), and
-    # refused at the first try, not after the 60 s timeout: measured 0.3 s (greets) and ~5 s (answers).
+    # refused at the first try, not after the 60 s timeout: measured 0.3 s (greets) and 2.4 s (answers).
     assert capfd.readouterr() == ("", ""), capfd.readouterr()
     assert elapsed < 30, elapsed
 
@@ -228,25 +228,6 @@ def foreign_service(speaks_first):
 
     threading.Thread(target=serve, daemon=True).start()
     return server, server.getsockname()[1]
-
-
-def test_toolkit_launch_against_a_garbage_answering_port_prints_one_sentence(tmp_path):
-    """The real command, machine 1 of a two-machine profile whose main_process_ip:port answers garbage."""
-    import yaml
-
-    from conftest import TOOLKIT, run
-
-    config = yaml.safe_load((CONFIGS / "multi_node.yaml").read_text())
-    server, port = foreign_service(speaks_first=False)
-    config.update(main_process_ip="127.0.0.1", main_process_port=port)
-    (tmp_path / "p.yaml").write_text(yaml.safe_dump(config))
-    with server:
-        proc = run(TOOLKIT + ["launch", "--config_file", tmp_path / "p.yaml", "--machine_rank", 1, "--rdzv_timeout",
-                              60, "recipes/cifar.py"], check=False, timeout=60)
-    ours = [line for line in (proc.stdout + proc.stderr).splitlines() if not line.startswith("[toolkit] ")]
-    assert proc.returncode == 2 and len(ours) == 1, proc.stdout + proc.stderr
-    assert ours[0].startswith(f"error: 127.0.0.1:{port} accepts connections but does not answer as the main node's "
-                              "rendezvous store"), ours
 
 
 def hostile_checkpoint(tmp_path, edit):
