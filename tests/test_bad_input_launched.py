@@ -17,13 +17,12 @@ import json
 
 import pytest
 
-from conftest import ACCELERATE, CONFIGS, ROOT, SCRIPTS, TOOLKIT, run
+import toolkit
+from conftest import ACCELERATE, CONFIGS, SCRIPTS, TOOLKIT, run
 from test_bad_input import RECIPE_CASES, cifar
 from toolkit.errors import UserError
 from toolkit.loop import check_config
 from toolkit.presets import apply_preset
-
-import toolkit
 
 CPU = str(CONFIGS / "cpu.yaml")
 LAUNCHERS = {
