@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import CONFIGS
-from toolkit.data import load_data
+from toolkit.data.memory import load_data
 from toolkit.data.memory import load_cifar
 from toolkit.errors import UserError
 from toolkit.data.safe_pickle import load_restricted
@@ -187,11 +187,29 @@ def test_help_shows_every_default():
 
 
 @pytest.mark.parametrize("speaks_first", [True, False], ids=["greets-on-connect", "answers-garbage"])
-def test_a_port_held_by_another_service_is_named_as_such(speaks_first):
-    import socket
-    import threading
+def test_a_port_held_by_another_service_is_named_as_such(speaks_first, capfd):
+    import time
 
     from toolkit.launch import rendezvous
+
+    server, port = foreign_service(speaks_first)
+    started = time.monotonic()
+    with server, pytest.raises(UserError) as raised:
+        rendezvous._connect("127.0.0.1", port, timeout=60)
+    elapsed = time.monotonic() - started
+    message = str(raised.value)
+    assert "another service" in message and "main_process_port" in message and "\n" not in message, message
+    # Nothing else on either stream (torch's client logs each retry with a C++ stack trace on fd 2), and
+    # refused at the first try, not after the 60 s timeout: measured 0.3 s (greets) and 2.4 s (answers).
+    assert capfd.readouterr() == ("", ""), capfd.readouterr()
+    assert elapsed < 30, elapsed
+
+
+def foreign_service(speaks_first):
+    """(listening socket, port) of a plain TCP service on 127.0.0.1: it greets (like SSH) or answers any
+    request with garbage (like HTTP)."""
+    import socket
+    import threading
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -209,10 +227,7 @@ def test_a_port_held_by_another_service_is_named_as_such(speaks_first):
                 conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
 
     threading.Thread(target=serve, daemon=True).start()
-    with server, pytest.raises(UserError) as raised:
-        rendezvous._connect("127.0.0.1", server.getsockname()[1], timeout=3)
-    message = str(raised.value)
-    assert "another service" in message and "main_process_port" in message and "\n" not in message, message
+    return server, server.getsockname()[1]
 
 
 def hostile_checkpoint(tmp_path, edit):
@@ -238,6 +253,22 @@ def hostile_checkpoint(tmp_path, edit):
     return path
 
 
+PROFILE = "distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: 'no'\n"
+
+
+def run_folder(tmp_path, summary):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "summary.json").write_text(summary)
+    return tmp_path / "run"
+
+
+def read_run_table(path):
+    """What `toolkit compare RUN` reads and prints."""
+    from toolkit.check.compare import read_run, table
+
+    return table([read_run(path)])
+
+
 def written(path, text):
     path.write_text(text)
     return path
@@ -261,9 +292,27 @@ def _pickled_optimizer(target):
 HOSTILE = {  # name -> (make the file given tmp_path, how it is read given the file, words of the sentence)
     "profile with a python tag that runs code": (
         lambda t: written(t / "p.yaml", f"distributed_type: !!python/object/apply:os.system ['touch {t}/ran']\n"),
-        lambda p: __import__("toolkit.launch.profiles").profiles.load_profile(str(p)), "YAML"),
+        lambda p: __import__("toolkit.launch.profiles").launch.profiles.load_profile(str(p)), "YAML"),
     "profile that is a list": (lambda t: written(t / "p.yaml", "- 1\n- 2\n"),
-                               lambda p: __import__("toolkit.launch.profiles").profiles.load_profile(str(p)), "p.yaml"),
+                               lambda p: __import__("toolkit.launch.profiles").launch.profiles.load_profile(str(p)), "p.yaml"),
+    # Values of the wrong type that accelerate's parser lets through: a crash, or (use_cpu 'false', a true
+    # string) a silently different run.
+    "profile with use_cpu as text": (lambda t: written(t / "p.yaml", PROFILE + "use_cpu: 'false'\n"),
+                                     lambda p: __import__("toolkit.launch.profiles").launch.profiles.load_profile(str(p)),
+                                     "use_cpu must be true or false, not 'false'"),
+    "profile with num_processes as a word": (lambda t: written(t / "p.yaml", "distributed_type: MULTI_GPU\n"
+                                                               "num_processes: two\n"),
+                                             lambda p: __import__("toolkit.launch.profiles").launch.profiles.load_profile(str(p)),
+                                             "num_processes must be a whole number, not 'two'"),
+    "profile with a fractional port": (lambda t: written(t / "p.yaml", PROFILE + "main_process_port: 1.5\n"),
+                                       lambda p: __import__("toolkit.launch.profiles").launch.profiles.load_profile(str(p)),
+                                       "main_process_port must be a whole number, not 1.5"),
+    "summary.json that is a list": (lambda t: run_folder(t, "[1]"), read_run_table, "holds a list, not the object"),
+    "summary.json with a text accuracy": (lambda t: run_folder(t, '{"global_batch_size": 4, "test_accuracy": "x"}'),
+                                          read_run_table, "holds 'test_accuracy' = 'x', not a number"),
+    "summary.json that is a folder": (lambda t: (run_folder(t, "{}") / "summary.json").unlink() or
+                                      (t / "run" / "summary.json").mkdir() or t / "run", read_run_table,
+                                      "is not a run this toolkit wrote"),
     "manifest naming a file outside the checkpoint": (
         lambda t: hostile_checkpoint(t, lambda p: None), "manifest-outside", "not a file of the checkpoint"),
     "state.json that is not JSON": (
@@ -273,7 +322,52 @@ HOSTILE = {  # name -> (make the file given tmp_path, how it is read given the f
         lambda t: hostile_checkpoint(t, lambda p: (p / "state.json").write_text("[1, 2]")), "load", "not an object"),
     "optimizer.pt pickling a call": (
         lambda t: hostile_checkpoint(t, _pickled_optimizer(t / "ran")), "load", "Refusing to load"),
+    # A resume reads state.json's keys: a file without them (hand-edited, another tool's) is named with the key.
+    "state.json without step": (lambda t: hostile_checkpoint(t, _state_edit(lambda s: s.pop("step"))), "resume",
+                                "state.json has no 'step', which a resume needs"),
+    "state.json without config": (lambda t: hostile_checkpoint(t, _state_edit(lambda s: s.pop("config"))), "resume",
+                                  "state.json has no 'config', which a resume needs"),
+    "state.json with a text epoch": (lambda t: hostile_checkpoint(t, _state_edit(lambda s: s.update(epoch="1"))),
+                                     "resume", "state.json holds 'epoch' = '1', not a whole number"),
+    "state.json naming no model": (lambda t: hostile_checkpoint(t, _state_edit(lambda s: s.update(config={}))),
+                                   "resume", "state.json names no model in 'config'"),
+    "state.json that is not JSON, resumed": (
+        lambda t: hostile_checkpoint(t, lambda p: (p / "state.json").write_text("{not json")), "resume",
+        "state.json is unreadable"),
+    "rng.pt without RNG states": (lambda t: hostile_checkpoint(t, _rng_edit({"ranks": [{"python": 1}]})), "load",
+                                  "rng.pt does not hold RNG states"),
 }
+
+
+def _state_edit(change):
+    def edit(path):
+        import json
+
+        state = json.loads((path / "state.json").read_text())
+        change(state)
+        (path / "state.json").write_text(json.dumps(state))
+    return edit
+
+
+def _rng_edit(saved):
+    def edit(path):
+        import torch
+
+        torch.save(saved, path / "rng.pt")
+    return edit
+
+
+def resume_the_recipe(path, out):
+    """The CIFAR recipe resuming from `path` in this process, as `--resume PATH` does."""
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("cifar_recipe", ROOT / "recipes" / "cifar.py")
+    cifar = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cifar)
+    cifar.main(["--dataset", "synthetic", "--model", "tiny", "--max-steps", "1", "--output-dir", str(out),
+                "--resume", str(path)])
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
@@ -296,9 +390,25 @@ def test_hostile_files_are_refused_in_one_sentence_and_run_nothing(case, tmp_pat
         model = build_model("tiny", 10)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         read = lambda p: load_checkpoint(p, model=model, optimizer=optimizer)  # noqa: E731
-    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    elif read == "resume":
+        read = lambda p: resume_the_recipe(p, tmp_path / "out")  # noqa: E731
+
+    def outside_out():
+        return sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.relative_to(tmp_path).parts[0] != "out")
+
+    before = outside_out()
     with pytest.raises(UserError) as raised:
         read(path)
     assert words in str(raised.value) and "\n" not in str(raised.value), str(raised.value)
     assert not (tmp_path / "ran").exists()
-    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
+    assert outside_out() == before  # nothing written outside --output-dir
+
+
+def test_a_latest_pointer_that_is_a_folder_is_ignored_with_a_warning(tmp_path, capsys):
+    from toolkit.train.checkpoint import latest_checkpoint
+
+    path = hostile_checkpoint(tmp_path, lambda p: None)
+    (path.parent / "latest").unlink(missing_ok=True)
+    (path.parent / "latest").mkdir()
+    assert latest_checkpoint(path.parent) == path
+    assert capsys.readouterr().err == f"warning: ignoring {path.parent / 'latest'}: it does not name a checkpoint\n"

@@ -83,7 +83,8 @@ def speaks(error: RunFailure) -> bool:
     if store is not None:
         try:
             first = store.add(_failure_key() + "/count", 1) == 1
-            if first:
+            if first:  # the message first: a rank that sees the code may look for it (other nodes print it)
+                store.set(_failure_key() + "/message", f"error: {error}")
                 store.set(_failure_key() + "/code", str(error.exit_code))
             return first
         except Exception:
@@ -103,6 +104,21 @@ def peer_failure_code() -> int | None:
         return None
 
 
+def peer_message(wait: float = 3.0) -> str | None:
+    """The sentence the rank that failed first said, from the job's store (it may still be writing it)."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        import datetime
+
+        key = _failure_key() + "/message"
+        store.wait([key], datetime.timedelta(seconds=wait))
+        return store.get(key).decode()
+    except Exception:  # it died before saying anything, or its store is gone
+        return None
+
+
 def write_error_file(error: RunFailure, said: bool):
     """torchelastic's reply file: plain torchrun and accelerate launch then show our sentence as the root
     cause in their summary, instead of a pointer to its docs. The root cause is the earliest failure, so a
@@ -114,6 +130,8 @@ def write_error_file(error: RunFailure, said: bool):
     stamp = int(time.time()) + (0 if said else 2)
     data = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(stamp)}},
             "toolkit_said": said}  # toolkit.launch.quiet prints the sentence when no rank did
+    if error.quiet:  # on another node than the rank that said it, toolkit launch repeats it once for this node
+        data["peer_message"] = peer_message()
     try:
         with open(path, "w") as f:
             json.dump(data, f)
@@ -121,12 +139,18 @@ def write_error_file(error: RunFailure, said: bool):
         pass
 
 
-def exit_for(error: RunFailure):
-    """Say `error` (if this rank is the one to say it), then leave at once with its code."""
+def say(error: RunFailure) -> bool:
+    """Print `error` if this rank is the one to say it (see `speaks`); True when it did."""
     said = speaks(error)
     if said:
         # The real stderr: torch.distributed's own hook swaps sys.stderr for a buffer around ours.
         report(error, stream=sys.__stderr__)
+    return said
+
+
+def exit_for(error: RunFailure):
+    """Say `error` (if this rank is the one to say it), then leave at once with its code."""
+    said = say(error)
     write_error_file(error, said)
     sys.stdout.flush()
     if not said and not error.quiet:

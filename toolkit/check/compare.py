@@ -43,17 +43,33 @@ def read_run(folder: str | Path) -> RunRecord:
     if not path.is_dir():
         raise UserError(f"{path} does not exist; give the --output-dir of a finished run.")
     try:
-        summary = json.loads((path / "summary.json").read_text())
+        summary = check_summary(json.loads((path / "summary.json").read_text()), path / "summary.json")
         record = RunRecord(path, summary, [], [])
         global_batch = record.global_batch
         steps = _rows(path / "steps.csv", "loss", global_batch)
         epochs = _rows(path / "epochs.csv", "test_accuracy", global_batch)
     except FileNotFoundError:
         raise UserError(f"{path} holds no summary.json, so it is not a finished run; give the --output-dir of one.")
-    except (ValueError, KeyError, TypeError) as error:
+    except (ValueError, KeyError, TypeError, OSError) as error:  # OSError: summary.json is a folder, say
         raise UserError(f"{path} is not a run this toolkit wrote (unreadable summary.json or metrics: "
                         f"{type(error).__name__}: {error}).") from None
     return RunRecord(path, summary, steps, epochs)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_summary(summary, file: Path) -> dict:
+    """`summary` if it holds the numbers the table prints; else one sentence naming the file and the key."""
+    if not isinstance(summary, dict):
+        raise UserError(f"{file} holds a {type(summary).__name__}, not the object a run writes; give the "
+                        "--output-dir of a finished run.")
+    for key, required in (("test_accuracy", True), ("images_per_s", False), ("wall_time_s", False)):
+        value = summary.get(key)
+        if not (_number(value) or value is None and not required):
+            raise UserError(f"{file} holds {key!r} = {value!r}, not a number; give the --output-dir of a finished run.")
+    return summary
 
 
 def table(runs: list[RunRecord]) -> str:

@@ -48,6 +48,7 @@ def load_profile(path: str) -> Profile:
         raise UserError(f"{path} is not valid YAML{where}; fix the syntax or start from accelerate_configs/.") from None
     except (ValueError, TypeError, AttributeError, KeyError) as error:
         raise UserError(f"accelerate rejected {path}: {' '.join(str(error).split())}") from None
+    check_types(config, path)
     profile = Profile(
         path=path,
         distributed_type=str(getattr(config.distributed_type, "value", config.distributed_type)),
@@ -58,11 +59,42 @@ def load_profile(path: str) -> Profile:
         main_process_port=None if config.main_process_port is None else int(config.main_process_port),
         rdzv_backend=config.rdzv_backend or "static",
         gpu_ids=None if config.gpu_ids is None else str(config.gpu_ids),
-        mixed_precision=str(config.mixed_precision or "no"),
+        mixed_precision=str(getattr(config.mixed_precision, "value", config.mixed_precision) or "no"),
         use_cpu=bool(config.use_cpu),
     )
     check_profile(profile)
     return profile
+
+
+def _whole(value) -> bool:
+    return not isinstance(value, bool) and (isinstance(value, int) or isinstance(value, str)
+                                            and value.strip().lstrip("-").isdigit())
+
+
+def check_types(config, path: str):
+    """Values of the wrong type, which accelerate's parser lets through: each would become a crash or, for
+    `use_cpu: 'false'` (a true string), a silently different run."""
+    from accelerate.utils import DistributedType
+
+    for name, optional in (("num_processes", False), ("num_machines", True), ("machine_rank", True),
+                           ("main_process_port", True)):
+        value = getattr(config, name)
+        if not (value is None and optional or _whole(value)):
+            raise UserError(f"{path}: {name} must be a whole number, not {value!r}.")
+    checks = {
+        "distributed_type": ([t.value for t in DistributedType], "one of accelerate's distributed types"),
+        "mixed_precision": ([None, "no", "fp16", "bf16", "fp8"], "no, fp16, bf16 or fp8"),
+        "use_cpu": ([None, True, False], "true or false"),
+    }
+    for name, (allowed, what) in checks.items():
+        value = getattr(config, name)
+        value = getattr(value, "value", value)  # an enum of accelerate's
+        if isinstance(value, (int, float)) and not isinstance(value, bool) or value not in allowed:  # 1 == True
+            raise UserError(f"{path}: {name} must be {what}, not {value!r}.")
+    if config.main_process_ip is not None and not isinstance(config.main_process_ip, str):
+        raise UserError(f"{path}: main_process_ip must be a host name or address, not {config.main_process_ip!r}.")
+    if config.gpu_ids is not None and not isinstance(config.gpu_ids, (str, int)):
+        raise UserError(f"{path}: gpu_ids must be all or a list like 0,1, not {config.gpu_ids!r}.")
 
 
 def check_profile(profile: Profile):

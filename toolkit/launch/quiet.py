@@ -37,8 +37,10 @@ def failure_code(failed) -> int:
     said = [f for _, f in failures if f.error_file_data.get("toolkit_said")]
     if said:
         return said[0].exitcode
-    for _, failure in failures:  # a rank that kept quiet for another that was ended before it could speak
+    for _, failure in failures:  # a rank that kept quiet for another that was ended before it could speak,
+        # or for a rank on another node that said it there (each node says it once)
         message = failure.message.get("message", "") if isinstance(failure.message, dict) else ""
+        message = failure.error_file_data.get("peer_message") or message
         if message.startswith("error: "):
             print(message, file=sys.stderr, flush=True)
             return failure.exitcode

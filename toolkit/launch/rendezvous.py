@@ -14,6 +14,7 @@ the main node instead, unless GLOO_SOCKET_IFNAME already names one.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import json
@@ -27,6 +28,7 @@ from dataclasses import asdict, dataclass
 from toolkit.errors import UserError
 
 PREFIX = "toolkit/handshake/"
+FIRST_TRY_S = 2.0  # the first connection to machine 0's store; a slow but real store gets the rest of the timeout
 _SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of an interface
 
 
@@ -124,12 +126,34 @@ def _connect(address: str, port: int, timeout: float):
                 print(f"[toolkit] still waiting for the main node at {address}:{port} "
                       f"({waited:.0f} of {timeout:g} s)", file=sys.stderr, flush=True)
             time.sleep(0.5)
+    # A short first try: a service that answers but is not a store fails torch's ping at once, and the
+    # client would otherwise retry against it until the whole timeout ran out.
+    first = min(FIRST_TRY_S, max(1.0, deadline - time.monotonic()))
+    for attempt_timeout in (first, None):
+        try:
+            with _cpp_logs_silenced():
+                return _store(address, port, False, attempt_timeout or max(1.0, deadline - time.monotonic()))
+        except RuntimeError as error:  # torch's DistNetworkError/DistStoreError: it answered, not as a store
+            if attempt_timeout is None or "Ping failed" in str(error) or time.monotonic() >= deadline:
+                raise UserError(f"{address}:{port} accepts connections but does not answer as the main node's "
+                                f"rendezvous store ({type(error).__name__}); another service may hold that port: "
+                                "pick another main_process_port.") from None
+
+
+@contextlib.contextmanager
+def _cpp_logs_silenced():
+    """torch's TCPStore client logs every failed try on file descriptor 2 with a C++ stack trace (~20 lines
+    each, several a second); its last error is all we need, said in one sentence above. The launcher runs no
+    other thread while it connects, so nothing of ours is lost."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
     try:
-        return _store(address, port, False, max(1.0, deadline - time.monotonic()))
-    except RuntimeError as error:  # torch's DistNetworkError/DistStoreError: it answered, but not as a store
-        raise UserError(f"{address}:{port} accepts connections but does not answer as the main node's rendezvous "
-                        f"store ({type(error).__name__}); another service may hold that port: pick another "
-                        "main_process_port.") from None
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def _refuse_foreign_service(probe: socket.socket, address: str, port: int):

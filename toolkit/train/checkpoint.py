@@ -282,8 +282,10 @@ def latest_checkpoint(root):
 def _read_pointer(root):
     try:
         name = (root / "latest").read_text().strip()
-    except (FileNotFoundError, UnicodeDecodeError):
+    except FileNotFoundError:
         return None
+    except (OSError, UnicodeDecodeError):  # a folder or unreadable bytes: warned about below, then ignored
+        name = ""
     if not _CHECKPOINT_NAME.fullmatch(name):
         print(f"warning: ignoring {root / 'latest'}: it does not name a checkpoint", file=sys.stderr)
         return None
@@ -312,6 +314,10 @@ def load_checkpoint(path, *, model=None, optimizer=None, scheduler=None, scaler=
         obj.load_state_dict(_load_pt(path / f"{name}.pt", map_location))
     if restore_rng and (path / "rng.pt").is_file():
         _restore_own_rng(_load_pt(path / "rng.pt", "cpu"), path)
+    return _read_state_file(path)
+
+
+def _read_state_file(path):
     try:
         state = json.loads((path / "state.json").read_text())
     except (OSError, ValueError) as error:
@@ -328,20 +334,25 @@ def read_state(path) -> dict:
     >>> read_state("runs/cifar/checkpoints")["config"]["model"]
     'resnet18'
     """
-    return json.loads((_resolve_checkpoint(Path(path)) / "state.json").read_text())
+    return _read_state_file(_resolve_checkpoint(Path(path)))
 
 
 def _restore_own_rng(saved, path):
     """Restore this rank's RNG state: rank r's entry of a per-rank list (older checkpoints hold one state)."""
-    if "ranks" not in saved:
-        set_rng_state(saved)
-        return
-    rank, states = _current_rank(), saved["ranks"]
-    if rank < len(states):
-        set_rng_state(states[rank])
-    else:  # the world grew since the save: this rank has no saved streams and keeps its seeded ones
-        print(f"[toolkit] {path} holds RNG states for {len(states)} rank(s); rank {rank} keeps its seeded RNG.",
-              file=sys.stderr)
+    try:
+        if "ranks" not in saved:
+            set_rng_state(saved)
+            return
+        rank, states = _current_rank(), saved["ranks"]
+        if rank < len(states):
+            set_rng_state(states[rank])
+            return
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as error:  # a crafted or foreign rng.pt
+        raise UserError(f"Checkpoint {path} is corrupt: rng.pt does not hold RNG states ({type(error).__name__}: "
+                        f"{error}); resume with a fresh --output-dir or another checkpoint.") from None
+    # the world grew since the save: this rank has no saved streams and keeps its seeded ones
+    print(f"[toolkit] {path} holds RNG states for {len(states)} rank(s); rank {rank} keeps its seeded RNG.",
+          file=sys.stderr)
 
 
 def _resolve_checkpoint(path):

@@ -82,7 +82,7 @@ class RunState:
         path = latest_checkpoint(self.checkpoints) if resume == "auto" else resume and Path(resume)
         if path is None:
             return
-        model, saved_model = self.config["model"], read_state(path)["config"]["model"]
+        model, saved_model = self.config["model"], check_run_state(read_state(path), path)["config"]["model"]
         if saved_model != model:  # checked before loading: other weights would not fit
             raise UserError(f"{path} holds a {saved_model} model, not {model}; pick another --output-dir.")
         state = load_checkpoint(path, model=accelerator.unwrap_model(self.model), optimizer=self.optimizer,
@@ -98,6 +98,28 @@ def agreed_restart_count(accelerator) -> int:
     its count unchanged (0 the first time), yet it must resume with the others (a collective)."""
     counts = accelerator.gather(torch.tensor([accelerator.env.restart_count], device=accelerator.device))
     return int(counts.max())
+
+
+# What RunState.save writes into state.json and a resume reads back: key -> (type, what it must be).
+STATE_KEYS = {"step": (int, "a whole number"), "epoch": (int, "a whole number"),
+              "samples_in_epoch": (int, "a whole number"), "config": (dict, "an object")}
+
+
+def check_run_state(state: dict, path) -> dict:
+    """`state` (a checkpoint's state.json) if it holds what a resume reads; else one sentence naming the file
+    and the key, instead of a KeyError half-way through restoring."""
+    file = Path(path) / "state.json"
+    file = file if file.is_file() else f"the state.json of the latest checkpoint under {path}"
+    fix = "resume from another checkpoint or start in a fresh --output-dir."
+    for key, (kind, what) in STATE_KEYS.items():
+        if key not in state:
+            raise UserError(f"{file} has no {key!r}, which a resume needs; {fix}")
+        value = state[key]
+        if not isinstance(value, kind) or isinstance(value, bool) or kind is int and value < 0:
+            raise UserError(f"{file} holds {key!r} = {value!r}, not {what}; {fix}")
+    if not isinstance(state["config"].get("model"), str):
+        raise UserError(f"{file} names no model in 'config' (it holds {state['config'].get('model')!r}); {fix}")
+    return state
 
 
 def check_loss(status, run: RunState, skip_nonfinite: bool):
