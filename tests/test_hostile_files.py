@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import CONFIGS
-from toolkit.data.memory import load_data
+from toolkit.data import load_data
 from toolkit.data.memory import load_cifar
 from toolkit.errors import UserError
 from toolkit.data.safe_pickle import load_restricted
