@@ -32,6 +32,7 @@ from toolkit.weights import _refusal_reason, load_model, load_pt as _load_pt, sa
 _CHECKPOINT_NAME = re.compile(r"step-(\d+)")
 _LEFTOVER_NAME = re.compile(r"\.(?:tmp|old)-step-\d+-(\d+)")
 _STATEFUL = ("optimizer", "scheduler", "scaler")
+CHECKPOINT_FORMATS = ("full", "sharded")
 
 
 def rng_state():
@@ -88,6 +89,12 @@ def _current_rank():
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _world_size():
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def save_checkpoint(root, step, *, model, optimizer=None, scheduler=None, scaler=None,
                     state=None, keep=None, rng_states=None):
     """Atomically write checkpoint `root/step-{step:08d}`, point `root/latest` at it, prune to `keep`.
@@ -101,6 +108,20 @@ def save_checkpoint(root, step, *, model, optimizer=None, scheduler=None, scaler
     >>> save_checkpoint("ckpt", 100, model=net, optimizer=opt, state={"epoch": 1}, keep=3)
     PosixPath('ckpt/step-00000100')
     """
+    final, temp = _start_save(root, step, keep)
+    try:
+        stateful = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
+        _write_contents(temp, model, stateful, {"step": step, **(state or {})}, rng_states)
+        _publish(temp, final)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    _finish_save(root, final, keep)
+    return final
+
+
+def _start_save(root, step, keep):
+    """(final folder, its fresh hidden temp sibling) of a save; `root` made and its dead writers' leftovers removed."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     if keep is not None and keep < 1:
@@ -112,23 +133,20 @@ def save_checkpoint(root, step, *, model, optimizer=None, scheduler=None, scaler
     temp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(temp, ignore_errors=True)
     temp.mkdir()
-    try:
-        stateful = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
-        _write_contents(temp, model, stateful, {"step": step, **(state or {})}, rng_states)
-        _publish(temp, final)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
-    _write_pointer(root, final.name)
+    return final, temp
+
+
+def _finish_save(root, final, keep):
+    _write_pointer(Path(root), final.name)
     if keep is not None:
-        _prune(root, keep, final)
-    return final
+        _prune(Path(root), keep, final)
 
 
-def _write_contents(folder, model, stateful, state, rng_states=None):
+def _write_contents(folder, model, stateful, state, rng_states=None, checkpoint_format="full"):
     state_json = json.dumps(state, indent=2) + "\n"  # fails before gigabytes are written
     rng = {"ranks": list(rng_states or [rng_state()])}
-    save_model(model, folder / "model.safetensors")
+    if checkpoint_format == "full":  # sharded: every rank already wrote its shards into `folder`
+        save_model(model, folder / "model.safetensors")
     for name, obj in stateful.items():
         if obj is not None:
             _save_pt(obj if isinstance(obj, dict) else obj.state_dict(), folder / f"{name}.pt")
@@ -140,7 +158,8 @@ def _write_contents(folder, model, stateful, state, rng_states=None):
         files[path.name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
     # Written last: a folder whose manifest is missing or disagrees was torn or damaged.
     manifest = folder / "manifest.json"
-    manifest.write_text(json.dumps({"format": 1, "files": files}, indent=2) + "\n")
+    about = {"format": 1, "checkpoint_format": checkpoint_format, "step": state["step"], "world_size": _world_size()}
+    manifest.write_text(json.dumps({**about, "files": files}, indent=2) + "\n")
     _fsync(manifest)
     _fsync(folder)
 
@@ -298,10 +317,14 @@ def load_checkpoint(path, *, model=None, optimizer=None, scheduler=None, scaler=
     >>> start_step = state["step"] + 1
     """
     path = _resolve_checkpoint(Path(path))
-    if model is not None:
+    if checkpoint_format(path) == "sharded":  # a collective where a process group exists: every rank loads
+        from toolkit.sharded_checkpoint import load_sharded
+
+        load_sharded(path, model=model, optimizer=optimizer)
+    elif model is not None:
         load_model(model, path / "model.safetensors")
     for name, obj in zip(_STATEFUL, (optimizer, scheduler, scaler)):
-        if obj is None:
+        if obj is None or name == "optimizer" and checkpoint_format(path) == "sharded":
             continue
         if name == "scaler" and not (path / "scaler.pt").is_file():
             # A bf16 or CPU run saved no scaler: fp16 resumes with a fresh one, which calibrates its scale
@@ -319,6 +342,20 @@ def load_checkpoint(path, *, model=None, optimizer=None, scheduler=None, scaler=
     if not isinstance(state, dict):
         raise UserError(f"Checkpoint {path} is corrupt: state.json holds a {type(state).__name__}, not an object.")
     return state
+
+
+def checkpoint_format(path) -> str:
+    """How a verified checkpoint folder holds its weights: "full" (model.safetensors and optimizer.pt, any
+    checkpoint written before the manifest named it) or "sharded" (torch.distributed.checkpoint's files).
+
+    >>> checkpoint_format("runs/cifar/checkpoints/step-00000012")
+    'sharded'
+    """
+    kind = json.loads((Path(path) / "manifest.json").read_text()).get("checkpoint_format", "full")
+    if kind not in CHECKPOINT_FORMATS:
+        raise UserError(f"Checkpoint {path} is corrupt: its manifest names checkpoint format {kind!r}, "
+                        f"not one of {', '.join(CHECKPOINT_FORMATS)}.")
+    return kind
 
 
 def read_state(path) -> dict:

@@ -1,0 +1,259 @@
+"""Sharded checkpoints through `torch.distributed.checkpoint` (DCP), for models too big to gather on one rank:
+every rank writes its own shards of the model and the optimizer, and a run at another world size (or under
+another engine) reads back the pieces it holds.
+
+    save_sharded_checkpoint("runs/x/checkpoints", 12, model=model, optimizer=opt, scheduler=sched,
+                            state={"epoch": 0}, keep=3)                       # on every rank
+    load_checkpoint("runs/x/checkpoints/step-00000012", model=model, optimizer=opt)   # any world size
+    consolidate("runs/x/checkpoints/step-00000012", "runs/x/full")    # one process: a full checkpoint
+
+The step folder is checkpoint.py's, with DCP's files in place of model.safetensors and optimizer.pt:
+`.metadata` (the index of every tensor piece) and `__R_0.distcp` (rank R's pieces), next to scheduler.pt,
+rng.pt and state.json; manifest.json covers the shards too and says "checkpoint_format": "sharded" and the
+world size. All ranks write into one hidden temp folder that rank 0 renames into place once every shard is
+written, so a sharded save is as atomic as a full one. That folder must be on storage all ranks see.
+
+Nothing here unpickles code. DCP itself reads `.metadata` with pickle.load and non-tensor values (the
+optimizer's param_groups) with torch.load(weights_only=False); here the index goes through an unpickler that
+knows only DCP's metadata classes, and the values through weights_only loading.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner, DefaultSavePlanner,
+                                                          _EmptyStateDictLoadPlanner)
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from toolkit import checkpoint as ckpt
+from toolkit.errors import UserError
+from toolkit.weights import _mismatch_sentence, _refusal_reason, unwrap_model
+
+INDEX = ".metadata"  # DCP's name for the index of a checkpoint
+_INDEX_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                  ("pathlib", "WindowsPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    # DCP warns on every call without a process group that it assumes one process: here that is the intent.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
+        yield
+
+
+def _inner(optimizer):
+    """The torch optimizer inside a prepared one (toolkit's or Accelerate's): DCP maps its parameters to names."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def save_sharded_checkpoint(root, step, *, model, optimizer=None, scheduler=None, scaler=None, state=None,
+                            keep=None, rng_states=None):
+    """Call on every rank: each writes its shards of `model` and `optimizer` (DCP), rank 0 the rest (scheduler,
+    scaler, RNG, state.json) and the manifest, then renames the folder into place as save_checkpoint does.
+
+    >>> save_sharded_checkpoint("ckpt", 100, model=net, optimizer=opt, state={"epoch": 1}, keep=3)
+    PosixPath('ckpt/step-00000100')
+    """
+    main = not _distributed() or dist.get_rank() == 0
+    final = temp = None
+    if main:
+        final, temp = ckpt._start_save(root, step, keep)
+    if _distributed():  # the folder name carries rank 0's pid: every rank writes into that one
+        names = [str(temp) if main else None]
+        dist.broadcast_object_list(names, src=0)
+        temp = Path(names[0])
+    try:
+        model = unwrap_model(model)
+        model_state, optimizer_state = get_state_dict(model, _inner(optimizer) if optimizer is not None else [])
+        shards = {"model": model_state, **({"optim": optimizer_state} if optimizer is not None else {})}
+        # Replicated values (BatchNorm buffers, a ddp model) come from rank 0, as in a full checkpoint.
+        with _quiet_single_process():
+            dcp.save(shards, storage_writer=FileSystemWriter(temp),
+                     planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True), no_dist=not _distributed())
+        if not main:
+            return Path(root) / f"step-{step:08d}"
+        ckpt._write_contents(temp, None, {"scheduler": scheduler, "scaler": scaler},
+                             {"step": step, **(state or {})}, rng_states, checkpoint_format="sharded")
+        ckpt._publish(temp, final)
+    except BaseException:
+        if main:
+            shutil.rmtree(temp, ignore_errors=True)
+        raise
+    ckpt._finish_save(root, final, keep)
+    return final
+
+
+def load_sharded(path, *, model=None, optimizer=None):
+    """Load a verified sharded checkpoint folder into `model` and `optimizer` (either may be None), resharded
+    to this run's world size; a collective where a process group exists (call it on every rank)."""
+    path = Path(path)
+    index = read_index(path)
+    if model is None:
+        return
+    model = unwrap_model(model)
+    _check_fits(path, index, model)
+    optimizers = [_inner(optimizer)] if optimizer is not None else []
+    model_state, optimizer_state = get_state_dict(model, optimizers)  # the shapes and shards this rank holds
+    shards = {"model": model_state, **({"optim": optimizer_state} if optimizers else {})}
+    _load(shards, path, _SafeLoadPlanner())
+    set_state_dict(model, optimizers, model_state_dict=model_state,
+                   optim_state_dict=optimizer_state if optimizers else {})
+
+
+def consolidate(path, out) -> Path:
+    """Turn a sharded checkpoint (a step folder, or the latest under a root) into a full one, in one process
+    without a process group: `out` ending in .safetensors gets the weights alone, any other `out` becomes a
+    checkpoints root holding `step-N/` in the full format (model.safetensors, optimizer.pt in torch's layout,
+    scheduler, RNG, state), which resumes under every engine at any world size.
+
+    >>> consolidate("runs/x/checkpoints", "runs/x/full")
+    PosixPath('runs/x/full/step-00000012')
+    """
+    path, out = ckpt._resolve_checkpoint(Path(path)), Path(out)
+    if ckpt.checkpoint_format(path) != "sharded":
+        raise UserError(f"{path} is already a full checkpoint: its weights are {path / 'model.safetensors'}.")
+    read_index(path)  # refuses a hostile index before DCP would unpickle it
+    planner = _SafeEmptyPlanner()  # rebuilds every tensor, whole, from the index (DCP's dcp_to_torch_save way)
+    _load({}, path, planner, no_dist=True)
+    whole = planner.original_state_dict
+    weights = whole["model"]
+    if out.suffix == ".safetensors":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        ckpt.save_model(weights, out)
+        return out
+    stateful = {name: ckpt._load_pt(path / f"{name}.pt", "cpu") for name in ("scheduler", "scaler")
+                if (path / f"{name}.pt").is_file()}
+    rng = ckpt._load_pt(path / "rng.pt", "cpu")
+    state = ckpt.read_state(path)
+    return ckpt.save_checkpoint(out, int(state["step"]), model=weights, optimizer=_torch_layout(whole.get("optim")),
+                                state=state, rng_states=rng.get("ranks"), **stateful)
+
+
+def _torch_layout(optimizer_state):
+    """An optimizer state keyed by parameter name (DCP's) in torch's own layout: keyed by index in group order."""
+    if optimizer_state is None:
+        return None
+    names = [name for group in optimizer_state["param_groups"] for name in group["params"]]
+    index = {name: i for i, name in enumerate(names)}
+    return {"state": {index[name]: value for name, value in optimizer_state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in optimizer_state["param_groups"]]}
+
+
+def _check_fits(path, index, model):
+    """Refuse, before DCP reads a byte, weights of another model (the full format's sentence)."""
+    saved = {k[len("model."):]: tuple(meta.size) for k, meta in index.state_dict_metadata.items()
+             if k.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    expected = {k: tuple(t.shape) for k, t in model.state_dict().items()}  # a DTensor's shape is the full one
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected]
+    reshaped = [f"{k} {saved[k]} vs model {expected[k]}" for k in saved if k in expected and saved[k] != expected[k]]
+    if missing or unexpected or reshaped:
+        raise UserError(_mismatch_sentence(str(path), missing, unexpected, reshaped))
+
+
+def _load(state_dict, path, planner, no_dist=None):
+    try:
+        with _quiet_single_process():
+            dcp.load(state_dict, storage_reader=_SafeReader(path), planner=planner,
+                     no_dist=not _distributed() if no_dist is None else no_dist)
+    except (CheckpointException, RuntimeError, ValueError, KeyError) as error:
+        cause = _first_cause(error)  # DCP gathers every rank's failure: the first one is the news
+        if isinstance(cause, UserError):
+            raise cause from None
+        first_line = next((line for line in str(cause).splitlines() if line.strip()), "")[:200]
+        raise UserError(f"Checkpoint {path} could not be loaded into this model and optimizer "
+                        f"({type(cause).__name__}: {first_line}).") from None
+
+
+def _first_cause(error):
+    for failure, _trace in getattr(error, "failures", {}).values():
+        return failure
+    return error
+
+
+def read_index(path):
+    """DCP's index (`.metadata`) of a sharded checkpoint folder, unpickled knowing only DCP's metadata classes."""
+    file = Path(path) / INDEX
+    if not file.is_file():
+        raise UserError(f"Checkpoint {path} is corrupt: its manifest says sharded but {INDEX} is missing.")
+    try:
+        with open(file, "rb") as f:
+            return _IndexUnpickler(f, file).load()
+    except UserError:
+        raise
+    except Exception as error:
+        raise UserError(f"Checkpoint {path} is corrupt: {INDEX} is unreadable ({type(error).__name__}).") from None
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    def __init__(self, file, name):
+        super().__init__(file)
+        self.name = name
+
+    def find_class(self, module, name):
+        allowed = (module == "torch.distributed.checkpoint.metadata" or (module, name) in _INDEX_GLOBALS
+                   or module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        if not allowed:
+            raise UserError(f"Refusing to load {self.name}: it asks to run {module}.{name}, which a checkpoint "
+                            "index never needs; nothing ran.")
+        return super().find_class(module, name)
+
+
+class _SafeReader(FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        metadata = read_index(self.path)
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _WeightsOnlyBytes:
+    """Non-tensor values (param_groups' numbers, flags and names) through torch.load(weights_only=True)."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise UserError(f"Refusing to load {read_item.dest_index.fqn} of a sharded checkpoint: it holds objects "
+                            f"other than tensors and plain values ({_refusal_reason(error)}).") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+class _SafeLoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
+    pass
+
+
+class _SafeEmptyPlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
+    pass
+
+
+def run_consolidate(args) -> int:
+    """`toolkit checkpoint consolidate CHECKPOINT [--out PATH]`."""
+    source = ckpt._resolve_checkpoint(Path(args.checkpoint))
+    out = Path(args.out) if args.out else source.parent.with_name(source.parent.name + "-full")
+    written = consolidate(source, out)
+    ranks = len([f for f in source.iterdir() if f.suffix == ".distcp"])
+    then = "" if written.suffix == ".safetensors" else f"; resume with --resume {written}"
+    print(f"wrote {written}: the full weights of {source}, from {ranks} rank(s)' shards{then}")
+    return 0
