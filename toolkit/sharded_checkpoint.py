@@ -93,9 +93,11 @@ def save_sharded_checkpoint(root, step, *, model, optimizer=None, scheduler=None
         ckpt._write_contents(temp, None, {"scheduler": scheduler, "scaler": scaler},
                              {"step": step, **(state or {})}, rng_states, checkpoint_format="sharded")
         ckpt._publish(temp, final)
-    except BaseException:
+    except BaseException as error:
         if main:
             shutil.rmtree(temp, ignore_errors=True)
+        if isinstance(error, CheckpointException):  # DCP's wrapper of each rank's failure (a disk full...)
+            raise _first_cause(error) from None
         raise
     ckpt._finish_save(root, final, keep)
     return final
@@ -170,6 +172,7 @@ def _check_fits(path, index, model):
 
 
 def _load(state_dict, path, planner, no_dist=None):
+    planner.source = str(path)
     try:
         with _quiet_single_process():
             dcp.load(state_dict, storage_reader=_SafeReader(path), planner=planner,
@@ -178,9 +181,9 @@ def _load(state_dict, path, planner, no_dist=None):
         cause = _first_cause(error)  # DCP gathers every rank's failure: the first one is the news
         if isinstance(cause, UserError):
             raise cause from None
-        first_line = next((line for line in str(cause).splitlines() if line.strip()), "")[:200]
+        first_line = next((line for line in str(cause).splitlines() if line.strip()), "")
         raise UserError(f"Checkpoint {path} could not be loaded into this model and optimizer "
-                        f"({type(cause).__name__}: {first_line}).") from None
+                        f"({type(cause).__name__}: {first_line.split('. ')[0].rstrip('.')[:200]}).") from None
 
 
 def _first_cause(error):
@@ -228,11 +231,13 @@ class _SafeReader(FileSystemReader):
 class _WeightsOnlyBytes:
     """Non-tensor values (param_groups' numbers, flags and names) through torch.load(weights_only=True)."""
 
+    source = "a sharded checkpoint"  # _load names the folder
+
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as error:
-            raise UserError(f"Refusing to load {read_item.dest_index.fqn} of a sharded checkpoint: it holds objects "
+            raise UserError(f"Refusing to load {read_item.dest_index.fqn} of {self.source}: it holds objects "
                             f"other than tensors and plain values ({_refusal_reason(error)}).") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
