@@ -7,7 +7,8 @@ Layout (one writer per root, normally rank 0): `root/step-00000123/` holds model
 optimizer.pt, scheduler.pt, scaler.pt, state.json, rng.pt and, written last, manifest.json
 (size and sha256 of each file); `root/latest` names the newest. A save is built in a hidden
 `.tmp-*` sibling and renamed into place, so a killed writer never leaves a half-written
-`step-*` folder. Loading never unpickles code: safetensors, then `weights_only=True`.
+`step-*` folder. Loading never unpickles code: safetensors, then `weights_only=True`. A sharded
+checkpoint (toolkit/sharded_checkpoint.py) holds each rank's shards in place of the two weight files.
 """
 import hashlib
 import json
@@ -101,9 +102,8 @@ def save_checkpoint(root, step, *, model, optimizer=None, scheduler=None, scaler
 
     `state` is a JSON-able dict (epoch, position, config, ...); `step` is added to it. `model` is a module
     or its state dict (`accelerator.get_state_dict(model)`: the full weights of a sharded model), and
-    optimizer/scheduler/scaler are objects or their state dicts. 
-    `rng_states` (from gather_rng_states(), one per rank) lets each rank restore its own RNG streams
-    (CUDA ones included) on resume; without it only this process's are saved. Returns the new folder's Path.
+    optimizer/scheduler/scaler are objects or their state dicts. `rng_states` (gather_rng_states(), one per
+    rank) lets each rank restore its own RNG streams on resume. Returns the new folder's Path.
 
     >>> save_checkpoint("ckpt", 100, model=net, optimizer=opt, state={"epoch": 1}, keep=3)
     PosixPath('ckpt/step-00000100')
@@ -317,14 +317,15 @@ def load_checkpoint(path, *, model=None, optimizer=None, scheduler=None, scaler=
     >>> start_step = state["step"] + 1
     """
     path = _resolve_checkpoint(Path(path))
-    if checkpoint_format(path) == "sharded":  # a collective where a process group exists: every rank loads
+    sharded = checkpoint_format(path) == "sharded"
+    if sharded:  # a collective where a process group exists: every rank loads
         from toolkit.sharded_checkpoint import load_sharded
 
         load_sharded(path, model=model, optimizer=optimizer)
     elif model is not None:
         load_model(model, path / "model.safetensors")
     for name, obj in zip(_STATEFUL, (optimizer, scheduler, scaler)):
-        if obj is None or name == "optimizer" and checkpoint_format(path) == "sharded":
+        if obj is None or name == "optimizer" and sharded:
             continue
         if name == "scaler" and not (path / "scaler.pt").is_file():
             # A bf16 or CPU run saved no scaler: fp16 resumes with a fresh one, which calibrates its scale
