@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from toolkit import checkpoint as ckpt
-from toolkit.errors import UserError
+from toolkit.errors import PeerFailure, UserError
 from toolkit.weights import _mismatch_sentence, _refusal_reason, unwrap_model
 
 INDEX = ".metadata"  # DCP's name for the index of a checkpoint
@@ -73,13 +73,7 @@ def save_sharded_checkpoint(root, step, *, model, optimizer=None, scheduler=None
     PosixPath('ckpt/step-00000100')
     """
     main = not _distributed() or dist.get_rank() == 0
-    final = temp = None
-    if main:
-        final, temp = ckpt._start_save(root, step, keep)
-    if _distributed():  # the folder name carries rank 0's pid: every rank writes into that one
-        names = [str(temp) if main else None]
-        dist.broadcast_object_list(names, src=0)
-        temp = Path(names[0])
+    final, temp = _shared_temp_folder(root, step, keep, main)
     try:
         model = unwrap_model(model)
         model_state, optimizer_state = get_state_dict(model, _inner(optimizer) if optimizer is not None else [])
@@ -101,6 +95,27 @@ def save_sharded_checkpoint(root, step, *, model, optimizer=None, scheduler=None
         raise
     ckpt._finish_save(root, final, keep)
     return final
+
+
+def _shared_temp_folder(root, step, keep, main):
+    """(final folder, temp folder) on rank 0, (None, rank 0's temp folder) elsewhere: every rank writes into the
+    one rank 0 made (its name carries rank 0's pid). When rank 0 cannot make it, the others stop quietly."""
+    final = temp = failed = None
+    if main:
+        try:
+            final, temp = ckpt._start_save(root, step, keep)
+        except Exception as error:
+            failed = error
+    if _distributed():
+        told = [(str(temp), 0) if failed is None else (None, getattr(failed, "exit_code", 1))] if main else [None]
+        dist.broadcast_object_list(told, src=0)
+        name, code = told[0]
+        if name is None and not main:
+            raise PeerFailure(code, 0)
+        temp = Path(name) if name else None
+    if failed is not None:
+        raise failed
+    return final, temp
 
 
 def load_sharded(path, *, model=None, optimizer=None):
