@@ -3,7 +3,9 @@ full checkpoints that resume under every other engine and back, `toolkit parity`
 process, and the FSDP profile never training as DDP without a word.
 
 Launches are shared: one 2-rank script checks the engine against its reference (tests/scripts/fsdp_check.py),
-one 2-rank recipe run is the trajectory that every resumed run is compared with.
+one 2-rank recipe run is the trajectory that every resumed run is compared with, and one more 2-rank run saves
+sharded checkpoints (--checkpoint-format sharded) that one process resumes (in-process cases of bad sharded
+checkpoints: tests/test_sharded_checkpoint.py).
 """
 
 import json
@@ -157,9 +159,9 @@ def test_fsdp_checkpoint_resumes_under_ddp_single_and_accelerate_and_back(tmp_pa
 def sharded_runs(tmp_path_factory):
     """The fsdp run again with sharded checkpoints (2 ranks), and one process (world 1) resumed from its step 4."""
     base = tmp_path_factory.mktemp("sharded")
-    recipe(TORCHRUN + ["--master_port", free_port()], base / "two", "--engine", "fsdp", "--checkpoint-format", "sharded")
-    recipe([PY], base / "one", "--engine", "fsdp", "--checkpoint-format", "sharded",
-           "--resume", base / "two" / "checkpoints" / "step-00000004")
+    sharded = ["--engine", "fsdp", "--checkpoint-format", "sharded"]
+    recipe(TORCHRUN + ["--master_port", free_port()], base / "two", *sharded)
+    recipe([PY], base / "one", *sharded, "--resume", base / "two" / "checkpoints" / "step-00000004")
     return base
 
 
@@ -195,7 +197,7 @@ def test_sharded_checkpoint_resumes_at_another_world_size_and_consolidates_to_th
     got, ref = losses(one), losses(fsdp_run)
     assert sorted(got) == list(range(5, 13))  # resumed mid-epoch: nothing replayed, nothing skipped
     # Measured: 2.4e-7 on losses, 6e-8 on weights, 2.8e-7 on momentum (one mean of 256 against two of 128);
-    # dropping the optimizer shards on resume moves the first losses by 1e-3 and more.
+    # dropping the optimizer shards on resume moved the losses by 1.7e-2.
     assert max(abs(got[s] - ref[s]) for s in got) <= TIGHT
     full = fsdp_run / "checkpoints" / "step-00000012"
     reference, reference_optimizer = final_weights(fsdp_run, 12), torch.load(full / "optimizer.pt", weights_only=True)
