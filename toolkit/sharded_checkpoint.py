@@ -18,8 +18,6 @@ optimizer's param_groups) with torch.load(weights_only=False); here the index go
 knows only DCP's metadata classes, and the values through weights_only loading.
 """
 
-from __future__ import annotations
-
 import contextlib
 import io
 import pickle
@@ -119,8 +117,8 @@ def _shared_temp_folder(root, step, keep, main):
 
 
 def load_sharded(path, *, model=None, optimizer=None):
-    """Load a verified sharded checkpoint folder into `model` and `optimizer` (either may be None), resharded
-    to this run's world size; a collective where a process group exists (call it on every rank)."""
+    """Load a verified sharded checkpoint folder into `model` and its `optimizer` (optional; without a model
+    nothing is loaded), resharded to this run's world size: a collective where a process group exists."""
     path = Path(path)
     index = read_index(path)
     if model is None:
@@ -144,10 +142,12 @@ def consolidate(path, out) -> Path:
     >>> consolidate("runs/x/checkpoints", "runs/x/full")
     PosixPath('runs/x/full/step-00000012')
     """
-    path, out = ckpt._resolve_checkpoint(Path(path)), Path(out)
+    return _consolidate_verified(ckpt._resolve_checkpoint(Path(path)), Path(out))
+
+
+def _consolidate_verified(path, out):
     if ckpt.checkpoint_format(path) != "sharded":
         raise UserError(f"{path} is already a full checkpoint: its weights are {path / 'model.safetensors'}.")
-    read_index(path)  # refuses a hostile index before DCP would unpickle it
     planner = _SafeEmptyPlanner()  # rebuilds every tensor, whole, from the index (DCP's dcp_to_torch_save way)
     _load({}, path, planner, no_dist=True)
     whole = planner.original_state_dict
@@ -272,7 +272,7 @@ def run_consolidate(args) -> int:
     """`toolkit checkpoint consolidate CHECKPOINT [--out PATH]`."""
     source = ckpt._resolve_checkpoint(Path(args.checkpoint))
     out = Path(args.out) if args.out else source.parent.with_name(source.parent.name + "-full")
-    written = consolidate(source, out)
+    written = _consolidate_verified(source, out)  # verified once: hashing every shard again would double the reads
     ranks = len([f for f in source.iterdir() if f.suffix == ".distcp"])
     then = "" if written.suffix == ".safetensors" else f"; resume with --resume {written}"
     print(f"wrote {written}: the full weights of {source}, from {ranks} rank(s)' shards{then}")
