@@ -54,6 +54,10 @@ def test_full_state_dicts_round_trip_in_torch_layout(check):
     assert check["resumed_diff"] <= TIGHT  # a fresh sharded model loaded the full state and stepped like the reference
 
 
+def test_a_sharded_save_rank_0_cannot_start_stops_every_rank_at_once(check):
+    assert check["blocked_save"] == ["FileExistsError", "PeerFailure"]
+
+
 def test_exact_evaluation_over_uneven_shards_and_gather_for_metrics(check):
     assert check["eval"]["count"] == 101
     assert check["eval"]["accuracy"] == pytest.approx(check["ref_eval"]["accuracy"], abs=1e-9)
