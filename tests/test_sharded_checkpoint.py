@@ -72,6 +72,23 @@ def test_a_failed_sharded_save_leaves_the_previous_checkpoint_in_charge(tmp_path
     assert {".metadata", "__0_0.distcp"} <= manifest["files"].keys() and "model.safetensors" not in manifest["files"]
 
 
+def test_shards_that_did_not_reach_rank_0s_folder_are_refused(tmp_path, monkeypatch):
+    """Node-local storage: another node's shards are written, but not where rank 0 looks (simulated here by
+    moving this rank's shard away as the writer finishes). Refused in one sentence; nothing published."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    finish = FileSystemWriter.finish
+
+    def elsewhere(self, metadata, results):
+        finish(self, metadata, results)
+        shutil.move(self.path / "__0_0.distcp", tmp_path / "other-node.distcp")
+
+    monkeypatch.setattr(FileSystemWriter, "finish", elsewhere)
+    with pytest.raises(UserError, match="__0_0.distcp written by other ranks did not reach .* every rank shares"):
+        sharded(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == []
+
+
 class RunsOnLoad:
     def __init__(self, target):
         self.target = str(target)

@@ -78,10 +78,11 @@ def save_sharded_checkpoint(root, step, *, model, optimizer=None, scheduler=None
         shards = {"model": model_state, **({"optim": optimizer_state} if optimizer is not None else {})}
         # Replicated values (BatchNorm buffers, a ddp model) come from rank 0, as in a full checkpoint.
         with _quiet_single_process():
-            dcp.save(shards, storage_writer=FileSystemWriter(temp),
-                     planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True), no_dist=not _distributed())
+            index = dcp.save(shards, storage_writer=FileSystemWriter(temp),
+                             planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True), no_dist=not _distributed())
         if not main:
             return Path(root) / f"step-{step:08d}"
+        _check_all_shards_here(temp, index)
         ckpt._write_contents(temp, None, {"scheduler": scheduler, "scaler": scaler},
                              {"step": step, **(state or {})}, rng_states, checkpoint_format="sharded")
         ckpt._publish(temp, final)
@@ -93,6 +94,15 @@ def save_sharded_checkpoint(root, step, *, model, optimizer=None, scheduler=None
         raise
     ckpt._finish_save(root, final, keep)
     return final
+
+
+def _check_all_shards_here(temp, index):
+    """Every rank wrote into `temp`; on node-local storage the other nodes' shards landed elsewhere."""
+    absent = sorted({info.relative_path for info in index.storage_data.values()} - {p.name for p in temp.iterdir()})
+    if absent:
+        raise UserError(f"{', '.join(absent)} written by other ranks did not reach {temp.parent} as rank 0 sees it: "
+                        "sharded checkpoints need an --output-dir on storage every rank shares (one file system "
+                        "across nodes), or use --checkpoint-format full.")
 
 
 def _shared_temp_folder(root, step, keep, main):
