@@ -36,13 +36,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from toolkit import checkpoint as ckpt
+from toolkit.checkpoint import (_finish_save, _load_pt, _publish, _resolve_checkpoint, _start_save, _write_contents,
+                                checkpoint_format, read_state, save_checkpoint)
 from toolkit.errors import PeerFailure, UserError
-from toolkit.weights import _mismatch_sentence, _refusal_reason, unwrap_model
+from toolkit.weights import _mismatch_sentence, _refusal_reason, save_model, unwrap_model
 
 INDEX = ".metadata"  # DCP's name for the index of a checkpoint
 _INDEX_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                  ("pathlib", "WindowsPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+                  ("pathlib._local", "PosixPath"),  # Python 3.13's name of the same class
+                  ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
 
 
 def _distributed() -> bool:
@@ -83,16 +85,16 @@ def save_sharded_checkpoint(root, step, *, model, optimizer=None, scheduler=None
         if not main:
             return Path(root) / f"step-{step:08d}"
         _check_all_shards_here(temp, index)
-        ckpt._write_contents(temp, None, {"scheduler": scheduler, "scaler": scaler},
+        _write_contents(temp, None, {"scheduler": scheduler, "scaler": scaler},
                              {"step": step, **(state or {})}, rng_states, checkpoint_format="sharded")
-        ckpt._publish(temp, final)
+        _publish(temp, final)
     except BaseException as error:
         if main:
             shutil.rmtree(temp, ignore_errors=True)
         if isinstance(error, CheckpointException):  # DCP's wrapper of each rank's failure (a disk full...)
             raise _first_cause(error) from None
         raise
-    ckpt._finish_save(root, final, keep)
+    _finish_save(root, final, keep)
     return final
 
 
@@ -111,7 +113,7 @@ def _shared_temp_folder(root, step, keep, main):
     final = temp = failed = None
     if main:
         try:
-            final, temp = ckpt._start_save(root, step, keep)
+            final, temp = _start_save(root, step, keep)
         except Exception as error:
             failed = error
     if _distributed():
@@ -152,11 +154,11 @@ def consolidate(path, out) -> Path:
     >>> consolidate("runs/x/checkpoints", "runs/x/full")
     PosixPath('runs/x/full/step-00000012')
     """
-    return _consolidate_verified(ckpt._resolve_checkpoint(Path(path)), Path(out))
+    return _consolidate_verified(_resolve_checkpoint(Path(path)), Path(out))
 
 
 def _consolidate_verified(path, out):
-    if ckpt.checkpoint_format(path) != "sharded":
+    if checkpoint_format(path) != "sharded":
         raise UserError(f"{path} is already a full checkpoint: its weights are {path / 'model.safetensors'}.")
     planner = _SafeEmptyPlanner()  # rebuilds every tensor, whole, from the index (DCP's dcp_to_torch_save way)
     _load({}, path, planner, no_dist=True)
@@ -164,13 +166,13 @@ def _consolidate_verified(path, out):
     weights = whole["model"]
     if out.suffix == ".safetensors":
         out.parent.mkdir(parents=True, exist_ok=True)
-        ckpt.save_model(weights, out)
+        save_model(weights, out)
         return out
-    stateful = {name: ckpt._load_pt(path / f"{name}.pt", "cpu") for name in ("scheduler", "scaler")
+    stateful = {name: _load_pt(path / f"{name}.pt", "cpu") for name in ("scheduler", "scaler")
                 if (path / f"{name}.pt").is_file()}
-    rng = ckpt._load_pt(path / "rng.pt", "cpu")
-    state = ckpt.read_state(path)
-    return ckpt.save_checkpoint(out, int(state["step"]), model=weights, optimizer=_torch_layout(whole.get("optim")),
+    rng = _load_pt(path / "rng.pt", "cpu")
+    state = read_state(path)
+    return save_checkpoint(out, int(state["step"]), model=weights, optimizer=_torch_layout(whole.get("optim")),
                                 state=state, rng_states=rng.get("ranks"), **stateful)
 
 
@@ -280,7 +282,7 @@ class _SafeEmptyPlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
 
 def run_consolidate(args) -> int:
     """`toolkit checkpoint consolidate CHECKPOINT [--out PATH]`."""
-    source = ckpt._resolve_checkpoint(Path(args.checkpoint))
+    source = _resolve_checkpoint(Path(args.checkpoint))
     out = Path(args.out) if args.out else source.parent.with_name(source.parent.name + "-full")
     written = _consolidate_verified(source, out)  # verified once: hashing every shard again would double the reads
     ranks = len([f for f in source.iterdir() if f.suffix == ".distcp"])
