@@ -21,11 +21,10 @@ import safetensors
 import torch
 import torch.distributed as dist
 
-from toolkit.train.checkpoint import (
-    latest_checkpoint, list_checkpoints, load_checkpoint, load_model, rng_state,
-    save_checkpoint, save_model, set_rng_state, unwrap_model, verify_checkpoint,
-)
 from toolkit.errors import UserError
+from toolkit.models.weights import load_model, save_model, unwrap_model
+from toolkit.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, verify_checkpoint
+from toolkit.train.checkpoint_files import rng_state, set_rng_state
 
 REPO = Path(__file__).resolve().parents[1]
 

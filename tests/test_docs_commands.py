@@ -66,15 +66,17 @@ def checks(tokens):
         if script and script_help(script):
             yield script_help(script), flags(rest)
     elif program == "toolkit":
-        sub = tokens[1]
-        rest = tokens[2:]
+        sub, rest = [tokens[1]], tokens[2:]
+        nested = rest and not rest[0].startswith("-") and rf"{{[\w,]*\b{re.escape(rest[0])}\b"  # argparse's {a,b}
+        if nested and re.search(nested, help_text(*TOOLKIT, *sub)):
+            sub, rest = sub + rest[:1], rest[1:]  # toolkit checkpoint consolidate: its own --help
         if "--" in rest:  # toolkit parity ... -- script.py args
             cut = rest.index("--")
-            yield help_text(*TOOLKIT, sub), flags(rest[:cut])
+            yield help_text(*TOOLKIT, *sub), flags(rest[:cut])
             _, script, script_args = split_at_script(rest[cut + 1:])
         else:
             head, script, script_args = split_at_script(rest)
-            yield help_text(*TOOLKIT, sub), flags(head)
+            yield help_text(*TOOLKIT, *sub), flags(head)
         if script and script_help(script):
             yield script_help(script), flags(script_args)
     elif program == "sbatch":  # sbatch's own flags are SLURM's; the rest go to the recipe

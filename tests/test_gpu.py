@@ -5,7 +5,6 @@ GPUs are visible. `scripts/gpu_report.sh` runs them and the GPU benchmarks on a 
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

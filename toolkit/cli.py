@@ -4,6 +4,7 @@
     toolkit parity A.yaml B.yaml [--engine-a E] [--engine-b E] [--steps K] -- script.py [args ...]
     toolkit env [--config_file accelerate_configs/cpu.yaml] [--json]
     toolkit compare RUN_DIR [RUN_DIR ...] [--plot compare.png]
+    toolkit checkpoint consolidate CHECKPOINT [--out PATH]
 """
 
 from __future__ import annotations
@@ -83,6 +84,16 @@ def _compare_parser(sub):
     p.add_argument("--plot", default="compare.png", help="where to write the PNG (default: compare.png)")
 
 
+def _checkpoint_parser(sub):
+    p = sub.add_parser("checkpoint", help="work on a recipe's checkpoints")
+    actions = p.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    c = actions.add_parser("consolidate", help="turn a sharded checkpoint (--checkpoint-format sharded) into a "
+                           "full one that resumes under every engine, or into one safetensors file of weights")
+    c.add_argument("checkpoint", help="a step-N folder, or a checkpoints folder (its latest)")
+    c.add_argument("--out", help="a folder: a full checkpoint lands in OUT/step-N; a *.safetensors file: the weights "
+                   "alone (default: the checkpoints folder's sibling CHECKPOINTS-full)")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit 2, like every other user error here
         self.exit(2, f"error: {message} (see `toolkit --help`)\n")
@@ -95,6 +106,7 @@ def main(argv=None) -> int:
     _parity_parser(sub)
     _env_parser(sub)
     _compare_parser(sub)
+    _checkpoint_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "launch":
@@ -113,6 +125,10 @@ def main(argv=None) -> int:
             from toolkit.check.compare import run_compare
 
             return run_compare(args)
+        if args.command == "checkpoint":
+            from toolkit.train.consolidate import run_consolidate
+
+            return run_consolidate(args)
     except RunFailure as error:  # UserError included: one sentence, its own exit code
         return report(error)
     except KeyboardInterrupt:

@@ -116,6 +116,26 @@ out["ref_eval"] = {"accuracy": (logits.argmax(1) == labels).float().mean().item(
 
 loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(9)), batch_size=2))
 out["gathered"] = torch.cat([accelerator.gather_for_metrics(x) for (x,) in loader]).tolist()
+# A sharded save whose folder rank 0 cannot make (its root is a file): rank 0 raises the cause at once and the
+# other ranks stop quietly, instead of waiting --timeout seconds for shards.
+from pathlib import Path  # noqa: E402
+
+import torch.distributed as dist  # noqa: E402
+
+from toolkit.train.sharded_checkpoint import save_sharded_checkpoint  # noqa: E402
+
+blocked = Path(args.out).with_name("a-file-not-a-folder")
+if accelerator.is_main_process:
+    blocked.write_text("")
+accelerator.wait_for_everyone()
+try:
+    save_sharded_checkpoint(blocked, 1, model=fresh, optimizer=fresh_optimizer)
+    outcome = "saved"
+except Exception as error:
+    outcome = type(error).__name__
+out["blocked_save"] = [None] * accelerator.num_processes
+dist.all_gather_object(out["blocked_save"], outcome)
+
 if accelerator.is_main_process:
     with open(args.out, "w") as f:
         json.dump(out, f)

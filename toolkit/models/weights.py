@@ -82,7 +82,7 @@ def load_model(model, path, strict=True):
     missing, unexpected, reshaped = _compare_keys(expected, weights)
     if reshaped or (strict and (missing or unexpected)):
         source = "the given state dict" if isinstance(path, Mapping) else str(path)
-        raise UserError(_mismatch_sentence(source, missing, unexpected, reshaped))
+        raise UserError(mismatch_sentence(source, missing, unexpected, reshaped))
     if _is_sharded(expected):
         # An FSDP model: each rank takes its shards of the full tensors (a collective: every rank loads).
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -143,7 +143,7 @@ def _compare_keys(expected, weights):
     return missing, unexpected, reshaped
 
 
-def _mismatch_sentence(source, missing, unexpected, reshaped):
+def mismatch_sentence(source, missing, unexpected, reshaped):
     parts = []
     for label, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", reshaped)):
         if keys:

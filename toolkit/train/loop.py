@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from toolkit.train.batching import plan_batches
+from toolkit.train.checkpoint import CHECKPOINT_FORMATS
 from toolkit.engines import ENGINES, build_accelerator
 from toolkit.errors import UserError
 from toolkit.train.records import RunRecorder, check_fresh_output_dir
@@ -47,6 +48,9 @@ class TrainingConfig:
     channels_last: bool = field(default=False, metadata={"help": "NHWC memory format (faster on tensor cores)"})
     checkpoint_every: int = field(default=0, metadata={"help": "optimizer steps between checkpoints (0: epochs)"})
     keep: int = field(default=3, metadata={"help": "checkpoints kept"})
+    checkpoint_format: str = field(default="full", metadata={"choices": list(CHECKPOINT_FORMATS), "help": "full: "
+                                   "weights gathered into one safetensors file; sharded: each rank writes its own "
+                                   "shards (torch.distributed.checkpoint), resumable at any world size"})
     resume: str | None = field(default=None, metadata={"help": "auto (latest in output-dir) or a checkpoint path"})
     seed: int = field(default=0, metadata={"help": "seeds weights, data order and augmentation"})
     eval_every: int = field(default=1, metadata={"help": "epochs between evaluations"})

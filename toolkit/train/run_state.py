@@ -60,16 +60,22 @@ class RunState:
         return True
 
     def save(self):
-        accelerator = self.accelerator
-        # Every rank asks: under fsdp both calls gather the shards of the weights and optimizer state.
-        weights, optimizer_state = accelerator.get_state_dict(self.model), self.optimizer.state_dict()
+        accelerator, scaler = self.accelerator, getattr(self.accelerator, "scaler", None)
+        sharded = self.config.get("checkpoint_format") == "sharded"
+        if not sharded:  # every rank asks: under fsdp both calls gather the shards of weights and optimizer state
+            weights, optimizer_state = accelerator.get_state_dict(self.model), self.optimizer.state_dict()
         rng_states = gather_rng_states()  # every rank's own RNG streams (a collective too)
-        if accelerator.is_main_process:
-            state = {"step": self.step, "epoch": self.epoch, "samples_in_epoch": self.batch * self.images_per_micro_step,
-                     "world_size": accelerator.num_processes, "engine": accelerator.name, "config": self.config}
+        state = {"step": self.step, "epoch": self.epoch, "samples_in_epoch": self.batch * self.images_per_micro_step,
+                 "world_size": accelerator.num_processes, "engine": accelerator.name, "config": self.config}
+        if sharded:  # every rank writes its own shards: nothing is gathered
+            from toolkit.train.sharded_checkpoint import save_sharded_checkpoint
+
+            save_sharded_checkpoint(self.checkpoints, self.step, model=accelerator.unwrap_model(self.model),
+                                    optimizer=self.optimizer, scheduler=self.scheduler, scaler=scaler, state=state,
+                                    keep=self.keep, rng_states=rng_states)
+        elif accelerator.is_main_process:
             save_checkpoint(self.checkpoints, self.step, model=weights, optimizer=optimizer_state,
-                            scheduler=self.scheduler, state=state, keep=self.keep,
-                            scaler=getattr(accelerator, "scaler", None), rng_states=rng_states)
+                            scheduler=self.scheduler, state=state, keep=self.keep, scaler=scaler, rng_states=rng_states)
 
     def restore(self, resume: str | None):
         """Continue from `resume` ("auto" or a checkpoint path), or from the latest checkpoint after a

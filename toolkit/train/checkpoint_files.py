@@ -1,0 +1,341 @@
+"""The checkpoint folder format under checkpoint.py and sharded_checkpoint.py: a save built in a hidden
+`.tmp-*` sibling and renamed into place, the manifest (size and sha256 of each file), the `latest` pointer,
+pruning and leftovers of killed writers, state.json, and each rank's RNG streams.
+"""
+import hashlib
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+try:
+    import numpy as np
+except ImportError:  # numpy is optional: its RNG state is then not saved
+    np = None
+
+from toolkit.errors import UserError
+from toolkit.models.weights import refusal_reason, save_model
+
+
+_CHECKPOINT_NAME = re.compile(r"step-(\d+)")
+
+_LEFTOVER_NAME = re.compile(r"\.(?:tmp|old)-step-\d+-(\d+)")
+
+CHECKPOINT_FORMATS = ("full", "sharded")
+
+
+def rng_state():
+    """Return python, numpy, torch CPU and CUDA RNG states as plain types safe for weights_only.
+
+    >>> s = rng_state(); a = torch.rand(1); set_rng_state(s); assert torch.equal(a, torch.rand(1))
+    """
+    version, internal, gauss = random.getstate()
+    state = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state()}
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        # weights_only refuses numpy arrays; int64 holds uint32 keys exactly.
+        keys = torch.from_numpy(keys.astype(np.int64))
+        state["numpy"] = [name, keys, int(pos), int(has_gauss), float(cached)]
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    """Restore RNG states captured by rng_state(); parts for absent libraries/devices are skipped.
+
+    >>> set_rng_state(rng_state())
+    """
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"].cpu())
+    if np is not None and "numpy" in state:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if torch.cuda.is_available() and "cuda" in state:
+        # A resume on fewer GPUs restores the devices that exist.
+        for device, device_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(device_state.cpu(), device)
+
+
+def gather_rng_states():
+    """Every rank's rng_state(), in rank order (a collective: call it on every rank before rank 0 saves).
+
+    >>> states = gather_rng_states(); len(states) == max(1, torch.distributed.get_world_size())
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [rng_state()]
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, rng_state())
+    return states
+
+
+def _current_rank():
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size():
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _start_save(root, step, keep):
+    """(final folder, its fresh hidden temp sibling) of a save; `root` made and its dead writers' leftovers removed."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if keep is not None and keep < 1:
+        raise UserError(f"keep must be at least 1 checkpoint, got {keep}.")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(root)
+    final = root / f"step-{step:08d}"
+    temp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir()
+    return final, temp
+
+
+def _finish_save(root, final, keep):
+    _write_pointer(Path(root), final.name)
+    if keep is not None:
+        _prune(Path(root), keep, final)
+
+
+def _write_contents(folder, model, stateful, state, rng_states=None, checkpoint_format="full"):
+    state_json = json.dumps(state, indent=2) + "\n"  # fails before gigabytes are written
+    rng = {"ranks": list(rng_states or [rng_state()])}
+    if checkpoint_format == "full":  # sharded: every rank already wrote its shards into `folder`
+        save_model(model, folder / "model.safetensors")
+    for name, obj in stateful.items():
+        if obj is not None:
+            _save_pt(obj if isinstance(obj, dict) else obj.state_dict(), folder / f"{name}.pt")
+    _save_pt(rng, folder / "rng.pt")
+    (folder / "state.json").write_text(state_json)
+    files = {}
+    for path in sorted(folder.iterdir()):
+        _fsync(path)
+        files[path.name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    # Written last: a folder whose manifest is missing or disagrees was torn or damaged.
+    manifest = folder / "manifest.json"
+    about = {"format": 1, "checkpoint_format": checkpoint_format, "step": state["step"], "world_size": _world_size()}
+    manifest.write_text(json.dumps({**about, "files": files}, indent=2) + "\n")
+    _fsync(manifest)
+    _fsync(folder)
+
+
+def _save_pt(obj, path):
+    torch.save(obj, path)
+    # Fail now rather than at resume time if something (e.g. a scheduler holding a
+    # custom object) could not pass weights_only loading; mmap skips reading tensor data.
+    try:
+        torch.load(path, weights_only=True, mmap=True)
+    except pickle.UnpicklingError as error:
+        raise UserError(
+            f"{path.name} would hold objects other than tensors and plain containers, so it "
+            f"could not be loaded safely ({refusal_reason(error)}); keep its state_dict plain."
+        ) from error
+
+
+def _publish(temp, final):
+    # A re-save of the same step (after a resume) moves the old folder aside first, so a
+    # complete copy exists under some name at every moment.
+    aside = None
+    if final.exists():
+        aside = final.with_name(f".old-{final.name}-{os.getpid()}")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+    os.rename(temp, final)
+    _fsync(final.parent)
+    if aside is not None:
+        shutil.rmtree(aside)
+
+
+def _write_pointer(root, name):
+    temp = root / "latest.tmp"
+    with open(temp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, root / "latest")
+    _fsync(root)
+
+
+def _prune(root, keep, newest):
+    others = [p for p in list_checkpoints(root) if p != newest]
+    for old in others[: max(0, len(others) - (keep - 1))]:
+        # Renaming first means a crash mid-delete leaves a hidden leftover, not a
+        # half-deleted `step-*` folder that readers would have to skip.
+        aside = old.with_name(f".old-{old.name}-{os.getpid()}")
+        os.rename(old, aside)
+        shutil.rmtree(aside)
+
+
+def _remove_leftovers(root):
+    for path in root.iterdir():
+        match = _LEFTOVER_NAME.fullmatch(path.name)
+        if match and path.is_dir() and not _writer_alive(int(match[1])):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _writer_alive(pid):
+    if pid == os.getpid():
+        return False  # saves in one process run one after another: ours are leftovers
+    if os.name != "posix":
+        return True  # os.kill(pid, 0) would terminate the process on Windows
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, owned by another user
+    return True
+
+
+def verify_checkpoint(path):
+    """Raise UserError naming `path` unless every file in its manifest exists with the right size and sha256.
+
+    >>> verify_checkpoint("ckpt/step-00000100")
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"Checkpoint {path} does not exist.")
+    manifest = path / "manifest.json"
+    if not manifest.is_file():
+        raise UserError(f"Checkpoint {path} is incomplete: manifest.json is missing.")
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        entries = [(name, int(meta["size"]), str(meta["sha256"])) for name, meta in files.items()]
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise UserError(f"Checkpoint {path} is corrupt: manifest.json is unreadable ({error}).")
+    for name, size, digest in entries:
+        if Path(name).name != name or name in ("", ".", ".."):  # a crafted manifest must not reach outside
+            raise UserError(f"Checkpoint {path} is corrupt: manifest.json names {name!r}, not a file of the checkpoint.")
+        file = path / name
+        if not file.is_file():
+            raise UserError(f"Checkpoint {path} is corrupt: {name} is missing.")
+        actual = file.stat().st_size
+        if actual != size:
+            raise UserError(f"Checkpoint {path} is corrupt: {name} has {actual} bytes, expected {size}.")
+        if _sha256(file) != digest:
+            raise UserError(f"Checkpoint {path} is corrupt: {name} fails its sha256 check.")
+
+
+def list_checkpoints(root):
+    """Return complete checkpoint folders under `root` (those with a manifest), oldest step first.
+
+    >>> [p.name for p in list_checkpoints("ckpt")]
+    ['step-00000100', 'step-00000200']
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _CHECKPOINT_NAME.fullmatch(path.name)
+        if match and (path / "manifest.json").is_file():
+            found.append((int(match[1]), path))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(root):
+    """Return the checkpoint `root/latest` names if it verifies, else the newest one that does, else None.
+
+    Each corrupt checkpoint skipped is reported in one line on stderr.
+
+    >>> latest_checkpoint("ckpt")
+    PosixPath('ckpt/step-00000200')
+    """
+    root = Path(root)
+    pointed = _read_pointer(root)
+    newest_first = [p for p in reversed(list_checkpoints(root)) if p != pointed]
+    for path in ([pointed] if pointed else []) + newest_first:
+        try:
+            verify_checkpoint(path)
+            return path
+        except UserError as error:
+            print(f"warning: skipping {path}: {error}", file=sys.stderr)
+    return None
+
+
+def _read_pointer(root):
+    try:
+        name = (root / "latest").read_text().strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError):  # a folder or unreadable bytes: warned about below, then ignored
+        name = ""
+    if not _CHECKPOINT_NAME.fullmatch(name):
+        print(f"warning: ignoring {root / 'latest'}: it does not name a checkpoint", file=sys.stderr)
+        return None
+    return root / name
+
+
+def _read_state_file(path):
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except (OSError, ValueError) as error:
+        raise UserError(f"Checkpoint {path} is corrupt: state.json is unreadable ({type(error).__name__}).") from None
+    if not isinstance(state, dict):
+        raise UserError(f"Checkpoint {path} is corrupt: state.json holds a {type(state).__name__}, not an object.")
+    return state
+
+
+def checkpoint_format(path) -> str:
+    """How a verified checkpoint folder holds its weights: "full" (model.safetensors and optimizer.pt, any
+    checkpoint written before the manifest named it) or "sharded" (torch.distributed.checkpoint's files).
+
+    >>> checkpoint_format("runs/cifar/checkpoints/step-00000012")
+    'sharded'
+    """
+    kind = json.loads((Path(path) / "manifest.json").read_text()).get("checkpoint_format", "full")
+    if kind not in CHECKPOINT_FORMATS:
+        raise UserError(f"Checkpoint {path} is corrupt: its manifest names checkpoint format {kind!r}, "
+                        f"not one of {', '.join(CHECKPOINT_FORMATS)}.")
+    return kind
+
+
+def read_state(path) -> dict:
+    """The state dict of a checkpoint folder (or of the latest one under a root), verified, without loading
+    any weights: check what it holds before loading it into a model.
+
+    >>> read_state("runs/cifar/checkpoints")["config"]["model"]
+    'resnet18'
+    """
+    return _read_state_file(_resolve_checkpoint(Path(path)))
+
+
+def _resolve_checkpoint(path):
+    if not path.exists():
+        raise UserError(f"Checkpoint path {path} does not exist.")
+    if (path / "manifest.json").exists() or _CHECKPOINT_NAME.fullmatch(path.name):
+        verify_checkpoint(path)
+        return path
+    latest = latest_checkpoint(path)  # already verified
+    if latest is None:
+        raise UserError(f"No complete checkpoint found in {path}.")
+    return latest
+
+
+def _sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _fsync(path):
+    # On a folder this makes its entries (new names, renames) durable, not just file data.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
