@@ -60,7 +60,7 @@ def _every_rank_writes(records):
 PARITY, FLAGS = "tests/test_parity.py", "tests/test_flags.py"
 MUTATIONS = {
     "optimizer-step-noop": Mutation(
-        "toolkit.engines.base", _optimizer_step_noop,
+        "toolkit.engines.prepared", _optimizer_step_noop,
         (f"{PARITY}::test_one_process_matches_the_hand_written_loop",),
         "parity: PreparedOptimizer.step does nothing (shared by single, dp and ddp)"),
     "gradients-summed": Mutation(

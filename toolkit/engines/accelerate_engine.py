@@ -18,7 +18,8 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 
 from toolkit import errors
-from toolkit.engines.base import cpu_requested, has_gradients
+from toolkit.engines.base import cpu_requested
+from toolkit.engines.prepared import has_gradients
 from toolkit.engines.ddp import nccl_error_handling
 from toolkit.errors import UserError
 from toolkit.check.capture import build_recorder

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from toolkit.engines.base import PreparedOptimizer
+from toolkit.engines.prepared import PreparedOptimizer
 from toolkit.engines.ddp import RawDDPEngine
 from toolkit.errors import UserError
 
