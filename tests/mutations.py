@@ -74,7 +74,7 @@ MUTATIONS = {
         "averaging: each rank's loss is scaled by the world size, so DDP's mean of gradients is their sum"),
     "bn-stats-summed": Mutation(
         "toolkit.training", _bn_stats_summed,
-        (f"{PARITY}::test_sync_bn_on_cpu_ranks_averages_running_stats",),
+        (f"{FLAGS}::test_sync_bn_on_two_cpu_ranks_says_so_once_and_saves_the_mean_of_the_ranks_statistics",),
         "averaging: --sync-bn's CPU fallback sums the ranks' BatchNorm statistics"),
     "resume-at-epoch-start": Mutation(
         "toolkit.training", _resume_at_epoch_start,

@@ -25,7 +25,7 @@ from toolkit.engines import ENGINES, build_accelerator
 from toolkit.errors import UserError
 from toolkit.records import RunRecorder, check_fresh_output_dir
 from toolkit.run_state import RunState, check_loss, peer_failures
-from toolkit.training import StopRequest, average_batchnorm_stats, convert_sync_batchnorm, epoch_batches, evaluate
+from toolkit.training import StopRequest, convert_sync_batchnorm, epoch_batches, evaluate
 from toolkit.training import warmup_linear_decay
 
 
@@ -150,6 +150,7 @@ def fit(run: RunState, cfg, train_loader, test_loader, bn_fallback: bool):
     progress = tqdm(total=run.total_steps, initial=run.step, disable=not accelerator.is_main_process,
                     dynamic_ncols=True)
     metrics = {}
+    run.average_bn = bn_fallback  # at every save, so every evaluation (it follows one) sees the averaged model
     with StopRequest() as stop, peer_failures(run, cfg.timeout):
         try:
             while run.epoch < cfg.epochs and run.step < run.total_steps:
@@ -161,8 +162,6 @@ def fit(run: RunState, cfg, train_loader, test_loader, bn_fallback: bool):
                     run.epoch, run.batch = run.epoch + 1, 0
                 run.save()
                 if run.epoch % cfg.eval_every == 0 or run.epoch == cfg.epochs or run.step >= run.total_steps:
-                    if bn_fallback:
-                        average_batchnorm_stats(model, accelerator)
                     metrics = evaluate(model, test_loader, accelerator)
                     records.log("epoch", step=run.step, epoch=run.epoch, images=run.images,
                                 test_accuracy=metrics["accuracy"], test_loss=metrics["loss"], test_count=metrics["count"])
