@@ -6,15 +6,13 @@ One 2-rank launch (`flags_run`) carries most assertions: each launch costs ~15 s
 """
 
 import json
-import pickle
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from digits import digits_as_images
+from digits import write_digits_cifar
 from conftest import PY, ROOT, SCRIPTS, TORCHRUN, final_weights, read_json, run
 from toolkit.checkpoint import list_checkpoints
 from toolkit.launcher import free_port
@@ -107,26 +105,13 @@ def test_bf16_run_trains_and_parity_names_mixed_precision_as_the_difference(tmp_
     print(proc.stdout.splitlines()[-1])
 
 
-def small_digits_cifar(root, train=64, test=32):
-    """A CIFAR-10 folder of real images (scikit-learn's digits), small enough for a BatchNorm ResNet on CPU."""
-    images, labels = digits_as_images()
-    folder = root / "cifar-10-batches-py"
-    folder.mkdir(parents=True)
-    for name, part in ([f"data_batch_{i}" for i in range(1, 6)], slice(0, train)), (["test_batch"], slice(-test, None)):
-        chunks = np.array_split(np.arange(len(images))[part], len(name))
-        for file_name, chunk in zip(name, chunks):
-            with open(folder / file_name, "wb") as f:
-                pickle.dump({b"data": images[chunk].reshape(len(chunk), -1), b"labels": labels[chunk].tolist()}, f)
-    return root
-
-
 def test_sync_bn_on_two_cpu_ranks_says_so_once_and_saves_the_mean_of_the_ranks_statistics(tmp_path):
     """The recipe with a BatchNorm model (resnet9) and --sync-bn on 2 CPU ranks: PyTorch refuses SyncBatchNorm
     there, so the run says so in one line and averages the running statistics over ranks; the checkpoint it
     saves (and evaluates) holds that mean, computed here from each rank's statistics before the averaging."""
     out, prefix = tmp_path / "run", tmp_path / "bn"
     proc = run(TORCHRUN + ["--master_port", free_port(), RECORD_BN, CIFAR, "--dataset", "cifar10", "--data-dir",
-                           small_digits_cifar(tmp_path / "data"), "--model", "resnet9", "--sync-bn", "--engine", "ddp",
+                           write_digits_cifar(tmp_path / "data", 64, 32), "--model", "resnet9", "--sync-bn", "--engine", "ddp",
                            "--global-batch-size", 16, "--epochs", 1, "--max-steps", 2, "--output-dir", out],
                timeout=300, BN_STATS_PREFIX=prefix)
     notice = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if "SyncBatchNorm" in line]
