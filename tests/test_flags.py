@@ -1,6 +1,7 @@
 """Flags and paths a user relies on that no other test runs, each checked by an outcome: --max-steps and
 --eval-every decide how many steps and evaluations a 2-rank run makes, only the main process writes
-checkpoints and metrics, --loader torch resumes mid-epoch on 2 ranks where the uninterrupted run goes.
+checkpoints and metrics, --loader torch resumes mid-epoch on 2 ranks where the uninterrupted run goes, and
+--sync-bn on CPU ranks says so once and saves the mean of the ranks' BatchNorm statistics.
 
 One 2-rank launch (`flags_run`) carries most assertions: each launch costs ~15 s of imports here.
 """
@@ -109,10 +110,9 @@ def test_sync_bn_on_two_cpu_ranks_says_so_once_and_saves_the_mean_of_the_ranks_s
     """The recipe with a BatchNorm model (resnet9) and --sync-bn on 2 CPU ranks: PyTorch refuses SyncBatchNorm
     there, so the run says so in one line and averages the running statistics over ranks; the checkpoint it
     saves (and evaluates) holds that mean, computed here from each rank's statistics before the averaging."""
-    out, prefix = tmp_path / "run", tmp_path / "bn"
-    proc = run(TORCHRUN + ["--master_port", free_port(), RECORD_BN, CIFAR, "--dataset", "cifar10", "--data-dir",
-                           write_digits_cifar(tmp_path / "data", 64, 32), "--model", "resnet9", "--sync-bn", "--engine", "ddp",
-                           "--global-batch-size", 16, "--epochs", 1, "--max-steps", 2, "--output-dir", out],
+    out, prefix, data = tmp_path / "run", tmp_path / "bn", write_digits_cifar(tmp_path / "data", train=64, test=32)
+    proc = run(TORCHRUN + ["--master_port", free_port(), RECORD_BN, CIFAR, "--dataset", "cifar10", "--data-dir", data,
+                           "--model", "resnet9", "--sync-bn", "--engine", "ddp", "--global-batch-size", 16, "--epochs", 1, "--max-steps", 2, "--output-dir", out],
                timeout=300, BN_STATS_PREFIX=prefix)
     notice = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if "SyncBatchNorm" in line]
     assert notice == ["[toolkit] --sync-bn: PyTorch's SyncBatchNorm needs GPUs; averaging BatchNorm running "
