@@ -112,6 +112,7 @@ def train_epoch(run: RunState, cfg, loader, records, progress, stop: StopRequest
     """Train from (run.epoch, run.batch) to the epoch's end or the last step; True when asked to stop."""
     accelerator, model, optimizer = run.accelerator, run.model, run.optimizer
     tick, stopping = time.perf_counter(), False  # tick: when this optimizer step began
+    step_losses = []  # every rank's loss of each micro-step of this optimizer step
     for batch, (images, labels) in enumerate(epoch_batches(loader, run.epoch, run.batch), run.batch):
         if batch >= run.micro_per_epoch or run.step >= run.total_steps:
             break
@@ -126,10 +127,13 @@ def train_epoch(run: RunState, cfg, loader, records, progress, stop: StopRequest
                 accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        step_losses.append(losses)
         if not run.advance(batch):  # a micro-step inside an accumulation
             continue
         run.throughput.step(run.plan.global_batch, time.perf_counter() - tick)
-        rate, mean_loss, lr = run.throughput.images_per_s or 0.0, losses.mean().item(), run.scheduler.get_last_lr()[0]
+        # The global batch's loss, whatever the split into ranks and micro-steps (equal sizes: drop_last).
+        mean_loss, step_losses = torch.cat(step_losses).mean().item(), []
+        rate, lr = run.throughput.images_per_s or 0.0, run.scheduler.get_last_lr()[0]
         records.log("step", step=run.step, epoch=run.epoch, loss=mean_loss, lr=lr, images=run.images,
                     images_per_s=round(rate, 1), **({"skipped_ranks": bad_ranks} if bad_ranks else {}))
         progress.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.3g}", img_s=f"{rate:.0f}", refresh=False)
