@@ -23,15 +23,15 @@ def digits_as_images():
     return x.numpy(), digits.target.astype(np.int64)
 
 
-def write_digits_cifar(root) -> Path:
+def write_digits_cifar(root, train=TRAIN, test=None) -> Path:
     """ROOT/cifar-10-batches-py with 5 training batches (1,500 images) and a test batch (297), split by a
-    fixed permutation; returns ROOT (the recipe's --data-dir)."""
+    fixed permutation, or only the first `train` and `test` of each; returns ROOT (the recipe's --data-dir)."""
     images, labels = digits_as_images()
     order = np.random.default_rng(0).permutation(len(images))
     folder = Path(root) / "cifar-10-batches-py"
     folder.mkdir(parents=True, exist_ok=True)
-    parts = [(f"data_batch_{i}", chunk) for i, chunk in enumerate(np.array_split(order[:TRAIN], 5), 1)]
-    for name, chunk in parts + [("test_batch", order[TRAIN:])]:
+    parts = [(f"data_batch_{i}", chunk) for i, chunk in enumerate(np.array_split(order[:min(train, TRAIN)], 5), 1)]
+    for name, chunk in parts + [("test_batch", order[TRAIN:][:test])]:
         with open(folder / name, "wb") as f:  # rows are channel-major: 1024 R, 1024 G, 1024 B
             pickle.dump({b"data": images[chunk].reshape(len(chunk), -1), b"labels": labels[chunk].tolist()}, f)
     return Path(root)

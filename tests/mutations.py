@@ -9,6 +9,7 @@ Apply one by hand (every Python process started below gets it, torchrun workers 
 tests/mutant/sitecustomize.py reads TOOLKIT_MUTATION and patches the module named here as it is imported.
 """
 
+import contextlib
 from dataclasses import dataclass
 
 
@@ -57,6 +58,10 @@ def _every_rank_writes(records):
     records.RunRecorder.__init__ = lambda self, output_dir, active: init(self, output_dir, True)
 
 
+def _augment_from_global_rng(data):
+    data.sample_rng = lambda seed, epoch, index: contextlib.nullcontext()  # the transforms draw from torch's RNG
+
+
 PARITY, FLAGS = "tests/test_parity.py", "tests/test_flags.py"
 MUTATIONS = {
     "optimizer-step-noop": Mutation(
@@ -69,7 +74,7 @@ MUTATIONS = {
         "averaging: each rank's loss is scaled by the world size, so DDP's mean of gradients is their sum"),
     "bn-stats-summed": Mutation(
         "toolkit.train.common", _bn_stats_summed,
-        (f"{PARITY}::test_sync_bn_on_cpu_ranks_averages_running_stats",),
+        (f"{FLAGS}::test_sync_bn_on_two_cpu_ranks_says_so_once_and_saves_the_mean_of_the_ranks_statistics",),
         "averaging: --sync-bn's CPU fallback sums the ranks' BatchNorm statistics"),
     "resume-at-epoch-start": Mutation(
         "toolkit.train.common", _resume_at_epoch_start,
@@ -83,6 +88,11 @@ MUTATIONS = {
         "toolkit.engines.base", _metrics_keep_padding,
         ("tests/test_two_ranks.py::test_torchrun[ddp]",),
         "exact eval: gather_for_metrics keeps the samples the sampler repeated as padding"),
+    "augment-from-global-rng": Mutation(
+        "toolkit.data.memory", _augment_from_global_rng,
+        ("tests/test_data_models.py::test_torch_loader_augments_each_sample_by_seed_epoch_and_index_alone",),
+        "resume and world-size independence: --loader torch draws crops and flips from the global RNG "
+        "(caught on 2 ranks too by test_flags.py::test_torch_loader_resumes_mid_epoch_on_two_ranks_where_the_...)"),
     "every-rank-writes": Mutation(
         "toolkit.train.records", _every_rank_writes,
         (f"{FLAGS}::test_only_the_main_process_writes",),

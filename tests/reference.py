@@ -23,22 +23,26 @@ def parity_model(seed=0):
     return torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, CLASSES))
 
 
-def global_batches(epoch, global_batch, seed=0):
+def global_batches(epoch, global_batch, seed=0, samples=SAMPLES):
     """Index batches of one epoch: a permutation drawn from `seed + epoch` (what a shuffling distributed
-    sampler draws on every rank), cut into consecutive global batches. Rank r of W takes every W-th index of
-    the permutation, so a global batch is the same set of samples whatever the world size."""
-    order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-    return [order[i:i + global_batch] for i in range(0, SAMPLES, global_batch)]
+    sampler draws on every rank, and what the recipe's in-memory loader documents for seed 0), cut into
+    consecutive global batches. Rank r of W takes every W-th index of the permutation, so a global batch is
+    the same set of samples whatever the world size."""
+    order = torch.randperm(samples, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    return [order[i:i + global_batch] for i in range(0, samples, global_batch)]
 
 
-def train_by_hand(model, optimizer, batches, grad_accum=1, max_norm=None, lr_at=None):
+def train_by_hand(model, optimizer, batches, grad_accum=1, max_norm=None, lr_at=None, label_smoothing=0.0,
+                  losses=None):
     """Mean cross-entropy over each micro-batch, gradients summed over `grad_accum` micro-batches (each loss
-    divided by grad_accum), then one optimizer step at learning rate lr_at(step) when given. Returns the
-    number of optimizer steps taken."""
+    divided by grad_accum), then one optimizer step at learning rate lr_at(step) when given (a peak lr times
+    a factor). Returns the number of optimizer steps taken; appends each micro-batch's loss to `losses`."""
     steps = 0
     for micro, (x, y) in enumerate(batches, 1):
-        loss = torch.nn.functional.cross_entropy(model(x), y) / grad_accum
-        loss.backward()
+        loss = torch.nn.functional.cross_entropy(model(x), y, label_smoothing=label_smoothing)
+        if losses is not None:
+            losses.append(loss.item())
+        (loss / grad_accum).backward()
         if micro % grad_accum == 0:
             if lr_at is not None:
                 for group in optimizer.param_groups:
@@ -63,3 +67,61 @@ def parity_reference(global_batch, grad_accum, epochs=2, max_norm=None, lr_at=No
 
 def start_weights():
     return {k: v.detach().clone() for k, v in parity_model().state_dict().items()}
+
+
+# ----------------------------------------------------------------------------- recipes/cifar.py, by hand
+
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # as the recipe's docs give them
+
+
+def read_cifar10(root):
+    """(train x, train y, test x, test y) of ROOT/cifar-10-batches-py: uint8 N x 3 x 32 x 32 and int64 N."""
+    import pickle
+    from pathlib import Path
+
+    def read(names):
+        batches = [pickle.loads((Path(root) / "cifar-10-batches-py" / name).read_bytes()) for name in names]
+        x = torch.cat([torch.as_tensor(b[b"data"]).reshape(-1, 3, 32, 32) for b in batches])
+        return x, torch.cat([torch.as_tensor(b[b"labels"], dtype=torch.int64) for b in batches])
+
+    return (*read([f"data_batch_{i}" for i in range(1, 6)]), *read(["test_batch"]))
+
+
+def tiny_net(num_classes=10):
+    """The recipe's `tiny` model, layer for layer (its state-dict names included)."""
+    nn = torch.nn
+    return nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.ReLU(),
+                         nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU(),
+                         nn.Sequential(nn.AdaptiveAvgPool2d(8), nn.Flatten()), nn.Linear(16 * 8 * 8, num_classes))
+
+
+def cifar_recipe_by_hand(root, *, global_batch, micro_batch, epochs, lr, weight_decay, warmup, label_smoothing,
+                         seed=0):
+    """What `python recipes/cifar.py --model tiny --augment none` documents, written out: the model seeded
+    with torch.manual_seed(seed); SGD (Nesterov momentum 0.9) with weight decay on weights but not biases;
+    linear warm-up over int(warmup x steps) steps then linear decay to 0; each epoch's permutation cut into
+    global batches of micro-batches; inputs scaled to [0, 1] and normalised with the CIFAR mean and std.
+    Returns (final state dict, every micro-batch's training loss, test accuracy, mean test loss)."""
+    train_x, train_y, test_x, test_y = read_cifar10(root)
+    mean, std = torch.tensor(CIFAR_MEAN).view(-1, 1, 1), torch.tensor(CIFAR_STD).view(-1, 1, 1)
+    normal = lambda x: (x.float() / 255 - mean) / std
+    torch.manual_seed(seed)
+    model = tiny_net()
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD([{"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay},
+                                 {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}],
+                                lr=lr, momentum=0.9, nesterov=True)
+    accum, total = global_batch // micro_batch, epochs * (len(train_x) // global_batch)
+    warm = max(1, int(total * warmup))
+    lr_at = lambda step: lr * ((step + 1) / warm if step < warm else max(0.0, (total - step) / max(1, total - warm)))
+    micro = [torch.tensor(batch[i:i + micro_batch]) for epoch in range(epochs)
+             for batch in global_batches(epoch, global_batch, seed, len(train_x))
+             for i in range(0, global_batch, micro_batch)]
+    losses = []
+    train_by_hand(model, optimizer, [(normal(train_x[i]), train_y[i]) for i in micro], accum, lr_at=lr_at,
+                  label_smoothing=label_smoothing, losses=losses)
+    with torch.no_grad():
+        logits = model(normal(test_x))
+    accuracy = (logits.argmax(1) == test_y).float().mean().item()
+    test_loss = torch.nn.functional.cross_entropy(logits, test_y).item()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, accuracy, test_loss

@@ -283,6 +283,28 @@ def test_torch_loader_matches_memory_loader_normalisation(numbered):
     assert ids(train) != sorted(ids(train))  # shuffled
 
 
+def test_torch_loader_augments_each_sample_by_seed_epoch_and_index_alone(numbered):
+    """The same sample gets the same crop/flip in an epoch whatever the workers and the global RNG (so whatever
+    the world size and the resume point), a new one the next epoch, and the global RNG is left untouched."""
+    x, y = numbered
+
+    def by_sample(workers, epoch, global_seed):
+        loader = build_torch_loader(x, y, 10, train=True, seed=0, num_workers=workers)
+        loader.dataset.set_epoch(epoch)
+        torch.manual_seed(global_seed)
+        return {int(label): image for images, labels in loader for image, label in zip(images, labels)}
+
+    epoch0 = by_sample(0, epoch=0, global_seed=1)
+    torch.manual_seed(7)
+    after_main_process_loading = torch.rand(3)
+    with_workers, epoch1 = by_sample(2, epoch=0, global_seed=2), by_sample(2, epoch=1, global_seed=2)
+    assert sorted(epoch0) == sorted(with_workers) and len(epoch0) == 100  # the same shuffle, 3 dropped
+    assert all(torch.equal(epoch0[i], with_workers[i]) for i in epoch0)
+    assert sum(not torch.equal(epoch0[i], epoch1[i]) for i in epoch0) > 80  # a new draw per epoch
+    torch.manual_seed(7)
+    assert torch.equal(torch.rand(3), after_main_process_loading)
+
+
 # ----------------------------------------------------------------------------- synthetic data and models
 
 def test_synthetic_is_deterministic_and_balanced():

@@ -1,6 +1,7 @@
 """Flags and paths a user relies on that no other test runs, each checked by an outcome: --max-steps and
 --eval-every decide how many steps and evaluations a 2-rank run makes, only the main process writes
-checkpoints and metrics, --loader torch resumes mid-epoch on 2 ranks where the uninterrupted run goes.
+checkpoints and metrics, --loader torch resumes mid-epoch on 2 ranks where the uninterrupted run goes, and
+--sync-bn on CPU ranks says so once and saves the mean of the ranks' BatchNorm statistics.
 
 One 2-rank launch (`flags_run`) carries most assertions: each launch costs ~15 s of imports here.
 """
@@ -12,12 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from digits import write_digits_cifar
 from conftest import PY, ROOT, SCRIPTS, TORCHRUN, final_weights, read_json, run
 from toolkit.train.checkpoint import list_checkpoints
 from toolkit.launch.launcher import free_port
 
 CIFAR = ROOT / "recipes" / "cifar.py"
 RECORD_WRITES = SCRIPTS / "record_summary_writes.py"
+RECORD_BN = SCRIPTS / "record_bn_stats.py"
 # Synthetic data (5000 train images) at global batch 256: 19 steps per epoch on any number of ranks. --max-steps 24 stops 5 steps into epoch 1; --eval-every 2 then evaluates once, at the last step.
 MAX_STEPS, STEPS_PER_EPOCH = 24, 5000 // 256
 FLAGS = ["--dataset", "synthetic", "--model", "tiny", "--epochs", 3, "--max-steps", MAX_STEPS, "--eval-every", 2,
@@ -67,9 +70,6 @@ def test_only_the_main_process_writes(flags_run):
     assert saved == sorted({*range(4, MAX_STEPS + 1, 4), STEPS_PER_EPOCH}), saved  # every 4 and the epoch end
 
 
-@pytest.mark.xfail(strict=True, reason="known defect (issue 11 report): --loader torch draws augmentation from the "
-                   "global torch RNG; a resume restores only rank 0's RNG state and replays the skipped batches from "
-                   "it, so the first resumed loss differs (2.2762 vs 2.2796 at step 21)")
 def test_torch_loader_resumes_mid_epoch_on_two_ranks_where_the_uninterrupted_run_goes(flags_run, tmp_path):
     """Resume from the step-20 checkpoint (1 step into epoch 1) with the same command: the same losses and
     the same final weights as the uninterrupted run."""
@@ -104,3 +104,23 @@ def test_bf16_run_trains_and_parity_names_mixed_precision_as_the_difference(tmp_
     if proc.returncode == 3:
         assert "verdict: DIFFER, EXPECTED" in proc.stdout and "mixed precision (A bf16, B bf16)" in proc.stdout
     print(proc.stdout.splitlines()[-1])
+
+
+def test_sync_bn_on_two_cpu_ranks_says_so_once_and_saves_the_mean_of_the_ranks_statistics(tmp_path):
+    """The recipe with a BatchNorm model (resnet9) and --sync-bn on 2 CPU ranks: PyTorch refuses SyncBatchNorm
+    there, so the run says so in one line and averages the running statistics over ranks; the checkpoint it
+    saves (and evaluates) holds that mean, computed here from each rank's statistics before the averaging."""
+    out, prefix, data = tmp_path / "run", tmp_path / "bn", write_digits_cifar(tmp_path / "data", train=64, test=32)
+    proc = run(TORCHRUN + ["--master_port", free_port(), RECORD_BN, CIFAR, "--dataset", "cifar10", "--data-dir", data,
+                           "--model", "resnet9", "--sync-bn", "--engine", "ddp", "--global-batch-size", 16, "--epochs", 1, "--max-steps", 2, "--output-dir", out],
+               timeout=300, BN_STATS_PREFIX=prefix)
+    notice = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if "SyncBatchNorm" in line]
+    assert notice == ["[toolkit] --sync-bn: PyTorch's SyncBatchNorm needs GPUs; averaging BatchNorm running "
+                      "statistics across ranks at each checkpoint and evaluation instead."], notice
+    ranks = [torch.load(f"{prefix}-rank{r}-0.pt") for r in (0, 1)]
+    assert not Path(f"{prefix}-rank0-1.pt").exists()  # one save (step 2), one averaging
+    saved = final_weights(out, 2)
+    assert len(ranks[0]) == 2 * 8 and all(not torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])  # diverged
+    for name in ranks[0]:
+        torch.testing.assert_close(saved[name], (ranks[0][name] + ranks[1][name]) / 2, rtol=0, atol=1e-6)
+    assert read_json(out / "summary.json")["test_count"] == 32

@@ -24,6 +24,8 @@ import torch
 from conftest import (ACCELERATE, CONFIGS, PY, ROOT, SCRIPTS, TOOLKIT, TORCHRUN, clean_env, final_weights,
                       max_weight_diff, read_json, run)
 
+from digits import write_digits_cifar
+from reference import cifar_recipe_by_hand
 from toolkit.train.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
 from toolkit.launch.launcher import free_port
 
@@ -198,6 +200,29 @@ def test_one_process_learns_synthetic_data(reference):
     assert bars_started(output(proc), TOTAL_STEPS) == 1
     assert [line for line in proc.stdout.splitlines() if line.startswith("done:")] == [
         f"done: test accuracy {summary['test_accuracy']}, {summary['images_per_s']} images/s"]
+
+
+def test_one_process_run_matches_the_hand_written_loop(tmp_path):
+    """`python recipes/cifar.py` (tiny, --augment none, gradient accumulation 2, warm-up then decay, weight decay,
+    label smoothing) ends with the weights, step losses and test metrics of tests/reference.py's plain PyTorch
+    loop over the same global batches of the same CIFAR files: no toolkit code in the reference."""
+    data, out = write_digits_cifar(tmp_path / "data", train=64, test=32), tmp_path / "run"
+    hyper = dict(global_batch=16, micro_batch=8, epochs=2, lr=0.05, weight_decay=5e-4, warmup=0.25, label_smoothing=0.1)
+    flags = [f"--{name.replace('_', '-')}{'-size' if name.endswith('batch') else ''}" for name in hyper]
+    run([PY, CIFAR, "--dataset", "cifar10", "--data-dir", data, "--model", "tiny", "--augment", "none",
+         *[str(v) for pair in zip(flags, hyper.values()) for v in pair], "--output-dir", out], timeout=240)
+    weights, losses, accuracy, test_loss = cifar_recipe_by_hand(data, **hyper)
+    steps = 2 * 64 // 16
+    diff = max_weight_diff(weights, final_weights(out, steps))
+    logged = [row["loss"] for row in step_rows(out).values()]
+    print(f"recipe vs hand-written loop: max |weight diff| {diff:.1e}, losses {logged}")
+    assert diff <= 1e-5
+    by_step = [(a + b) / 2 for a, b in zip(losses[::2], losses[1::2])]  # the global batch's: both micro-batches
+    assert len(logged) == steps and max(abs(a - b) for a, b in zip(logged, by_step)) <= 1e-5
+    summary = read_json(out / "summary.json")
+    assert (summary["steps"], summary["test_count"], summary["gradient_accumulation"]) == (steps, 32, 2)
+    assert summary["test_accuracy"] == pytest.approx(accuracy, abs=1e-9)
+    assert summary["test_loss"] == pytest.approx(test_loss, abs=1e-5)
 
 
 @pytest.mark.parametrize("engine", ["ddp", "accelerate"])

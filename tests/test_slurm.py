@@ -56,7 +56,7 @@ def reference(tmp_path_factory):
     proc.wait()
 
 
-@pytest.mark.parametrize("engine", ["accelerate"])
+@pytest.mark.parametrize("engine", ["accelerate", "ddp"])  # one cluster, one job each
 def test_sbatch_trains_on_two_nodes_like_one_process(tmp_path, cluster, reference, engine):
     # The profile's main_process_ip is wrong on purpose: under SLURM the job's first node is the main node.
     profile = tmp_path / "cluster.yaml"

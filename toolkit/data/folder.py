@@ -18,7 +18,6 @@ dataset is the kind of wrong nobody notices.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from toolkit.data.memory import AUGMENTATIONS, mix_seed
+from toolkit.data.memory import AUGMENTATIONS, sample_rng
 from toolkit.errors import UserError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)  # torchvision's weights expect these (references/classification)
@@ -72,11 +71,7 @@ class ImageFiles(Dataset):
     def __getitem__(self, key):
         epoch, index = key if isinstance(key, tuple) else (0, key)
         image = self.open_rgb(index)
-        # A per-sample seed makes augmentation independent of the worker and of resuming. A worker's RNG is its
-        # own; in the main process (workers=0) the seeding must not leak into dropout and the like.
-        in_worker = torch.utils.data.get_worker_info() is not None
-        with contextlib.nullcontext() if in_worker else torch.random.fork_rng(devices=[]):
-            torch.manual_seed(mix_seed(self.seed, epoch, index))
+        with sample_rng(self.seed, epoch, index):  # independent of the worker and of resuming
             return self.transform(image), self.labels[index]
 
 

@@ -11,6 +11,7 @@ for "crop-flip"; flips are wrong for digits and text, so "crop" and "none" exist
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from pathlib import Path
@@ -312,10 +313,19 @@ class MemoryLoader:
 
 
 class TensorImageDataset(torch.utils.data.Dataset):
-    """(transform(image), label) pairs over uint8 N x 3 x H x W images and int64 labels."""
+    """(transform(image), label) pairs over uint8 N x 3 x H x W images and int64 labels. Sample i's random
+    transform in epoch e draws from an RNG seeded by (seed, e, i) alone, so it is the same whatever the world
+    size, the worker that loads it or the step a run resumed at; the loader sets e through `set_epoch` (as
+    Accelerate's DataLoaderShard and the toolkit's PreparedDataLoader do)."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform):
-        self.images, self.labels, self.transform = images, labels, transform
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform, seed: int = 0):
+        self.images, self.labels, self.transform, self.seed = images, labels, transform, seed
+        # Shared memory: persistent workers hold a copy of the dataset made at the first epoch and must
+        # still see the epoch change.
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    def set_epoch(self, epoch: int) -> None:
+        self._epoch.fill_(epoch)
 
     def __len__(self) -> int:
         return len(self.images)
@@ -323,8 +333,20 @@ class TensorImageDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int):
         from torchvision import tv_tensors
 
-        # Wrapping as an Image makes v2 transforms treat it as one rather than guess.
-        return self.transform(tv_tensors.Image(self.images[i])).as_subclass(torch.Tensor), int(self.labels[i])
+        with sample_rng(self.seed, int(self._epoch), i):
+            # Wrapping as an Image makes v2 transforms treat it as one rather than guess.
+            return self.transform(tv_tensors.Image(self.images[i])).as_subclass(torch.Tensor), int(self.labels[i])
+
+
+@contextlib.contextmanager
+def sample_rng(seed: int, epoch: int, index: int):
+    """Seed the global torch RNG from (seed, epoch, index) for one sample's transform (torchvision's v2
+    transforms draw from it). A DataLoader worker's RNG is its own; in the main process (no workers) the
+    previous state comes back afterwards, so dropout and the like do not see the seeding."""
+    in_worker = torch.utils.data.get_worker_info() is not None
+    with contextlib.nullcontext() if in_worker else torch.random.fork_rng(devices=[]):
+        torch.manual_seed(mix_seed(seed, epoch, index))
+        yield
 
 
 def build_torch_loader(images: torch.Tensor, labels: torch.Tensor, batch_size: int, *, train: bool,
@@ -332,8 +354,8 @@ def build_torch_loader(images: torch.Tensor, labels: torch.Tensor, batch_size: i
     """A standard DataLoader with the same augmentation and normalisation as MemoryLoader, e.g.
     `build_torch_loader(data.train_x, data.train_y, 64, train=True, seed=0)`.
 
-    `seed` fixes the shuffle order and, with workers, their augmentation seeds; with
-    num_workers=0 augmentation draws from the global torch RNG (seed it with torch.manual_seed).
+    `seed` fixes the shuffle order and, with the epoch and the sample's index, its augmentation
+    (TensorImageDataset), so neither the world size, the workers nor a resume change it.
     """
     from torchvision.transforms import v2
 
@@ -341,7 +363,7 @@ def build_torch_loader(images: torch.Tensor, labels: torch.Tensor, batch_size: i
              "crop": [v2.RandomCrop(32, padding=PAD)], "none": []}[augment] if train else []
     transform = v2.Compose(steps + [v2.ToDtype(torch.float32, scale=True), v2.Normalize(CIFAR_MEAN, CIFAR_STD)])
     return torch.utils.data.DataLoader(
-        TensorImageDataset(images, labels, transform), batch_size=batch_size, shuffle=train,
+        TensorImageDataset(images, labels, transform, seed), batch_size=batch_size, shuffle=train,
         drop_last=train, num_workers=num_workers, generator=torch.Generator().manual_seed(seed),
         persistent_workers=num_workers > 0,
     )

@@ -14,13 +14,14 @@ import random
 import types
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 
 from toolkit import errors
 from toolkit.engines.base import cpu_requested
+from toolkit.engines.ddp import DEFAULT_TIMEOUT_S, attempt_store, nccl_error_handling
 from toolkit.engines.prepared import has_gradients
-from toolkit.engines.ddp import nccl_error_handling
 from toolkit.errors import UserError
 from toolkit.check.capture import build_recorder
 
@@ -59,6 +60,17 @@ def _count_skipped_steps(optimizer, engine):
     optimizer.step = types.MethodType(guarded, optimizer)  # a bound method: accelerate reads step.__func__
 
 
+def _join_restarted_group(env, timeout: float | None, cpu: bool):
+    """After a torchrun restart, form the process group in this attempt's own key space (ddp.attempt_store)
+    before Accelerate would through env://: there a restarted group read the killed attempt's gloo addresses
+    and hung in init_process_group (1 in 2 kill -9 restarts here). Accelerate uses a group that exists."""
+    if not env.restart_count or not env.agent_store or env.world_size == 1 or env.master_port is None or dist.is_initialized():
+        return
+    wait = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S if timeout is None else timeout)
+    dist.init_process_group("gloo" if cpu else "nccl", store=attempt_store(env, env.master_addr, env.master_port, wait),
+                            rank=env.rank, world_size=env.world_size, timeout=wait)
+
+
 class AccelerateEngine:
     """Every call goes to the Accelerator (`engine.accelerator`); anything not listed here is forwarded."""
 
@@ -80,6 +92,7 @@ class AccelerateEngine:
             handlers.append(InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout)))
             kwargs["kwargs_handlers"] = handlers
         _cache_lomo_probe()
+        _join_restarted_group(env, timeout, kwargs.get("cpu") or not torch.cuda.is_available())
         try:
             self.accelerator = Accelerator(**kwargs)
         except (ValueError, TypeError) as error:

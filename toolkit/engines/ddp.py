@@ -21,6 +21,17 @@ from toolkit.errors import UserError
 DEFAULT_TIMEOUT_S = 600
 
 
+def attempt_store(env, host: str, port: int, wait: datetime.timedelta) -> dist.Store:
+    """The rendezvous store of this attempt of the worker group. torchrun's agent keeps one store across
+    restarts, so a restarted group meeting there (as env:// does) can read the dead attempt's gloo addresses
+    and hang connecting to them; a fresh key space per attempt keeps them apart. Without the agent's store
+    (a multi-node restart through toolkit launch, where nodes' restart counts differ) rank 0 hosts a store of
+    this round alone: nothing stale to keep apart."""
+    store = dist.TCPStore(host, port, env.world_size, is_master=env.rank == 0 and not env.agent_store,
+                          timeout=wait, multi_tenant=True)
+    return dist.PrefixStore(f"toolkit/attempt-{env.restart_count}", store) if env.agent_store else store
+
+
 def nccl_error_handling(environ=None):
     """Before an NCCL group forms: when a collective times out (a peer died or stopped), abort the
     communicators but keep this process alive (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, CleanUpOnly). The rank
@@ -74,13 +85,7 @@ class RawDDPEngine(TorchEngine):
             host, port = "127.0.0.1", free_port()
         else:
             host, port = env.master_addr, env.master_port
-        store = dist.TCPStore(host, port, env.world_size, is_master=env.rank == 0 and not env.agent_store,
-                              timeout=wait, multi_tenant=True)
-        if env.agent_store:
-            # torchrun's agent keeps its store across restarts: a fresh key space per attempt keeps the last
-            # attempt's (dead) addresses out of this one's rendezvous. (A multi-node restart through
-            # toolkit launch gets a fresh store per round instead: nodes' restart counts differ there.)
-            store = dist.PrefixStore(f"toolkit/attempt-{env.restart_count}", store)
+        store = attempt_store(env, host, port, wait)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=wait,
                                 device_id=self.device if self.device.type == "cuda" else None)
         self._owns_group = True

@@ -158,6 +158,8 @@ class PreparedDataLoader:
     def __iter__(self):
         if self.sampler is not None:
             self.sampler.set_epoch(self.epoch)
+        if hasattr(self.dataset, "set_epoch"):  # a dataset that seeds per-epoch augmentation, as Accelerate allows
+            self.dataset.set_epoch(self.epoch)
         engine, seen = self.engine, 0
         engine.end_of_dataloader = False
         iterator = iter(self.loader)

@@ -66,13 +66,13 @@ def batchnorm_layers(model):
 def convert_sync_batchnorm(model, accelerator):
     """`--sync-bn`: SyncBatchNorm where PyTorch supports it (several GPU ranks). Returns (model, fallback):
     on CPU ranks PyTorch refuses SyncBatchNorm, so fallback=True means "average the running statistics
-    with `average_batchnorm_stats` before each evaluation instead"."""
+    with `average_batchnorm_stats` at each checkpoint instead" (RunState.save; an evaluation follows a save)."""
     if accelerator.num_processes == 1 or not batchnorm_layers(model):
         return model, False
     if accelerator.device.type == "cuda":
         return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model), False
     accelerator.print("[toolkit] --sync-bn: PyTorch's SyncBatchNorm needs GPUs; averaging BatchNorm "
-                      "running statistics across ranks before each evaluation instead.")
+                      "running statistics across ranks at each checkpoint and evaluation instead.")
     return model, True
 
 

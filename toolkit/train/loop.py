@@ -26,7 +26,7 @@ from toolkit.engines import ENGINES, build_accelerator
 from toolkit.errors import UserError
 from toolkit.train.records import RunRecorder, check_fresh_output_dir
 from toolkit.train.run_state import RunState, agreed_restart_count, check_loss, peer_failures
-from toolkit.train.common import StopRequest, average_batchnorm_stats, convert_sync_batchnorm, epoch_batches, evaluate
+from toolkit.train.common import StopRequest, convert_sync_batchnorm, epoch_batches, evaluate
 from toolkit.train.common import gather_step_status, warmup_linear_decay
 
 
@@ -116,6 +116,7 @@ def train_epoch(run: RunState, cfg, loader, records, progress, stop: StopRequest
     """Train from (run.epoch, run.batch) to the epoch's end or the last step; True when asked to stop."""
     accelerator, model, optimizer = run.accelerator, run.model, run.optimizer
     tick, stopping = time.perf_counter(), False  # tick: when this optimizer step began
+    step_losses = []  # every rank's loss of each micro-step of this optimizer step
     for batch, (images, labels) in enumerate(epoch_batches(loader, run.epoch, run.batch), run.batch):
         if batch >= run.micro_per_epoch or run.step >= run.total_steps:
             break
@@ -133,10 +134,13 @@ def train_epoch(run: RunState, cfg, loader, records, progress, stop: StopRequest
                 accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        step_losses.append(losses)
         if not run.advance(batch):  # a micro-step inside an accumulation
             continue
         run.throughput.step(run.plan.global_batch, time.perf_counter() - tick)
-        rate, mean_loss, lr = run.throughput.images_per_s or 0.0, losses.mean().item(), run.scheduler.get_last_lr()[0]
+        # The global batch's loss, whatever the split into ranks and micro-steps (equal sizes: drop_last).
+        mean_loss, step_losses = torch.cat(step_losses).mean().item(), []
+        rate, lr = run.throughput.images_per_s or 0.0, run.scheduler.get_last_lr()[0]
         records.log("step", step=run.step, epoch=run.epoch, loss=mean_loss, lr=lr, images=run.images,
                     images_per_s=round(rate, 1), **({"skipped_ranks": bad_ranks} if bad_ranks else {}))
         progress.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.3g}", img_s=f"{rate:.0f}", refresh=False)
@@ -157,6 +161,7 @@ def fit(run: RunState, cfg, train_loader, test_loader, bn_fallback: bool):
     progress = tqdm(total=run.total_steps, initial=run.step, disable=not accelerator.is_main_process,
                     dynamic_ncols=True)
     metrics = {}
+    run.average_bn = bn_fallback  # at every save, so every evaluation (it follows one) sees the averaged model
     with StopRequest() as stop, peer_failures(run, cfg.timeout):
         try:
             while run.epoch < cfg.epochs and run.step < run.total_steps:
@@ -168,8 +173,6 @@ def fit(run: RunState, cfg, train_loader, test_loader, bn_fallback: bool):
                     run.epoch, run.batch = run.epoch + 1, 0
                 run.save()
                 if run.epoch % cfg.eval_every == 0 or run.epoch == cfg.epochs or run.step >= run.total_steps:
-                    if bn_fallback:
-                        average_batchnorm_stats(model, accelerator)
                     metrics = evaluate(model, test_loader, accelerator)
                     records.log("epoch", step=run.step, epoch=run.epoch, images=run.images,
                                 test_accuracy=metrics["accuracy"], test_loss=metrics["loss"], test_count=metrics["count"])

@@ -19,7 +19,8 @@ from toolkit.train.batching import BatchPlan
 from toolkit.train.checkpoint import gather_rng_states, latest_checkpoint, load_checkpoint, read_state, save_checkpoint
 from toolkit.errors import RunFailure, UserError
 from toolkit.train.records import Throughput
-from toolkit.train.common import is_peer_failure, peer_failure_message, read_step_status, resume_position
+from toolkit.train.common import (average_batchnorm_stats, is_peer_failure, peer_failure_message, read_step_status,
+                                  resume_position)
 
 
 @dataclass
@@ -41,6 +42,7 @@ class RunState:
     batch: int = 0  # micro-steps of `epoch` done (always a whole number of optimizer steps)
     images: int = 0  # images trained on, all ranks together
     throughput: Throughput = field(default_factory=Throughput)  # images/s after the first steps
+    average_bn: bool = False  # --sync-bn's CPU fallback: BatchNorm statistics averaged over ranks at each save
 
     @property
     def checkpoints(self) -> Path:
@@ -61,6 +63,8 @@ class RunState:
 
     def save(self):
         accelerator, scaler = self.accelerator, getattr(self.accelerator, "scaler", None)
+        if self.average_bn:  # a checkpoint holds the model every rank evaluates, not rank 0's statistics alone
+            average_batchnorm_stats(self.model, accelerator)
         sharded = self.config.get("checkpoint_format") == "sharded"
         if not sharded:  # every rank asks: under fsdp both calls gather the shards of weights and optimizer state
             weights, optimizer_state = accelerator.get_state_dict(self.model), self.optimizer.state_dict()
