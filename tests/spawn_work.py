@@ -1,4 +1,4 @@
-"""Training functions that tests start with toolkit.launch.spawn and accelerate.notebook_launcher (importable, so the
+"""Training functions that tests start with toolkit.spawn and accelerate.notebook_launcher (importable, so the
 "spawn" start method can pickle them by name)."""
 
 import json

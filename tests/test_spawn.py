@@ -1,4 +1,4 @@
-"""torch.multiprocessing launching: toolkit.launch.spawn and Accelerate's notebook_launcher start workers whose
+"""torch.multiprocessing launching: toolkit.spawn and Accelerate's notebook_launcher start workers whose
 build_accelerator() forms the group; 2 workers train the same weights as one process and gather_for_metrics
 returns every sample exactly once."""
 
@@ -36,7 +36,7 @@ def check_two_workers(out, one_process, engine, launcher):
 
 
 def test_spawn_two_workers_train_what_one_process_trains(tmp_path, one_process):
-    toolkit.launch.spawn(train, 2, str(tmp_path))
+    toolkit.spawn(train, 2, str(tmp_path))
     check_two_workers(tmp_path, one_process, "ddp", "spawn")
 
 
@@ -49,14 +49,14 @@ def test_notebook_launcher_two_workers_train_what_one_process_trains(tmp_path, o
 
 def test_a_failing_worker_is_one_sentence():
     script = ("import sys; sys.path.insert(0, 'tests'); import toolkit, spawn_work\n"
-              "if __name__ == '__main__':\n    toolkit.launch.spawn(spawn_work.fail_on_rank_one, 2)\n")
+              "if __name__ == '__main__':\n    toolkit.spawn(spawn_work.fail_on_rank_one, 2)\n")
     proc = run([PY, "-c", script], check=False, timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        "error: toolkit.launch.spawn: rank 1 failed: ValueError: rank one's data folder is empty")
+        "error: toolkit.spawn: rank 1 failed: ValueError: rank one's data folder is empty")
     assert "Traceback" not in proc.stderr
     with pytest.raises(RunFailure):
-        toolkit.launch.spawn(train, 0)
+        toolkit.spawn(train, 0)
 
 
 def test_spawned_workers_read_as_the_spawn_launcher_and_get_ddp():

@@ -4,7 +4,7 @@ Which engine runs, in order of precedence:
 1. `build_accelerator(engine=...)` when it is not "auto";
 2. the TOOLKIT_ENGINE environment variable (`toolkit launch --engine E` sets it for its children);
 3. "auto", from how the process was launched: `accelerate launch` -> accelerate; torchrun, the legacy
-   torch.distributed.launch, toolkit.launch.spawn, srun and mpirun -> ddp; plain `python` -> single.
+   torch.distributed.launch, toolkit.spawn, srun and mpirun -> ddp; plain `python` -> single.
 An accelerate engine asked for FSDP (an FSDP profile) where accelerate cannot run it (no CUDA) becomes the
 fsdp engine, with a one-line notice: accelerate itself would train DDP without a word.
 """

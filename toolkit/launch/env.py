@@ -2,7 +2,7 @@
 
 Every launcher leaves a different trail in the environment: torchrun and `accelerate launch` (which runs
 torchrun inside) set RANK/WORLD_SIZE/LOCAL_RANK; the legacy `python -m torch.distributed.launch` also
-passes `--local-rank=N` (or `--local_rank=N`) on the command line; `toolkit.launch.spawn` sets torchrun's variables plus
+passes `--local-rank=N` (or `--local_rank=N`) on the command line; `toolkit.spawn` sets torchrun's variables plus
 TOOLKIT_LAUNCHER=spawn; `srun` sets SLURM_*; mpirun sets
 OMPI_*/PMI_*; plain `python` sets nothing. `read_launch_env()` turns that into one frozen `LaunchEnv`,
 which the rest of the toolkit reads and never mutates.
@@ -138,7 +138,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
     if "RANK" in environ and "WORLD_SIZE" in environ:  # torchrun, accelerate launch, legacy launch
         if by_accelerate:
             launcher = "accelerate"
-        elif environ.get("TOOLKIT_LAUNCHER") == "spawn":  # toolkit.launch.spawn's workers (torch.multiprocessing)
+        elif environ.get("TOOLKIT_LAUNCHER") == "spawn":  # toolkit.spawn's workers (torch.multiprocessing)
             launcher = "spawn"
         elif legacy_local_rank is not None:
             launcher = "torch.distributed.launch"

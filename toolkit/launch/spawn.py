@@ -5,7 +5,7 @@ MASTER_ADDR/PORT) plus TOOLKIT_LAUNCHER=spawn, so `build_accelerator()` inside i
     >>> def train(lr):
     ...     accelerator = toolkit.build_accelerator()     # ddp engine, rank 0 or 1 of 2
     ...     ...
-    >>> toolkit.launch.spawn(train, 2, 0.1)
+    >>> toolkit.spawn(train, 2, 0.1)
 """
 
 from __future__ import annotations
@@ -48,13 +48,13 @@ def spawn(fn, num_processes: int, *args, start_method: str | None = None):
 
     install_excepthook()  # a script that calls spawn gets the one sentence, not a traceback
     if num_processes < 1:
-        raise UserError(f"toolkit.launch.spawn needs at least 1 process, not {num_processes}.")
+        raise UserError(f"toolkit.spawn needs at least 1 process, not {num_processes}.")
     try:
         mp.start_processes(_worker, args=(fn, num_processes, free_port(), args), nprocs=num_processes,
                            start_method=start_method or _default_start_method())
     except ProcessRaisedException as error:
         # torch hands back the worker's whole traceback; its last line is the error itself.
-        raise RunFailure(f"toolkit.launch.spawn: rank {error.error_index} failed: {_last_line(str(error))}") from None
+        raise RunFailure(f"toolkit.spawn: rank {error.error_index} failed: {_last_line(str(error))}") from None
     except ProcessExitedException as error:
-        raise RunFailure(f"toolkit.launch.spawn: rank {error.error_index} exited with code {error.exit_code} "
+        raise RunFailure(f"toolkit.spawn: rank {error.error_index} exited with code {error.exit_code} "
                          "before finishing (killed, or it called sys.exit).") from None
