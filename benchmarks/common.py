@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata as md
 import importlib.util
+import math
 import os
 import platform
 import statistics
@@ -101,6 +102,20 @@ def ratio_spread(times: dict[str, list[float]], side: str, over: str) -> tuple[f
     return quartiles[0], quartiles[2]
 
 
+def median_interval(times: dict[str, list[float]], side: str, over: str) -> tuple[float, float]:
+    """A distribution-free ~95% interval for the median of the per-round ratios (order statistics: the k-th
+    smallest and k-th largest, k from the binomial(n, 1/2) tail), so a verdict can tell a ratio that clears
+    its target from one whose target lies inside the round-to-round noise. With fewer than 6 rounds no such
+    interval exists at 95%: the whole range is returned."""
+    ratios = sorted(t_over / t_side for t_side, t_over in zip(times[side], times[over]))
+    n, k, tail = len(ratios), 0, 0.0
+    while n and tail + math.comb(n, k) / 2 ** n <= 0.025:
+        tail += math.comb(n, k) / 2 ** n
+        k += 1
+    k = max(k, 1)  # 1-based order statistic: k=1 is the whole range
+    return ratios[k - 1], ratios[n - k]
+
+
 def per_second(items: float, seconds: list[float]) -> float:
     """Items per second at the median time of a call that handles `items` items."""
     return items / statistics.median(seconds)
@@ -127,21 +142,30 @@ def seconds_per_call(step: Callable[[], object], sync: Callable[[], object] = la
 
 @dataclass(frozen=True)
 class Ratio:
-    """One reported ratio; `target` is the least value that passes (None: reported only)."""
+    """One reported ratio; `target` is the least value that passes (None: reported only). With `interval` (a
+    median's ~95% interval over timed rounds) the verdict is PASS or MISS only when the whole interval is on
+    one side of the target, else WITHIN NOISE: a re-run can then not turn a PASS into a MISS by chance."""
 
     name: str
     value: float
     target: float | None = None
+    interval: tuple[float, float] | None = None
 
     @property
     def verdict(self) -> str:
         if self.target is None:
             return ""
+        if self.interval is not None and self.interval[0] < self.target <= self.interval[1]:
+            return "WITHIN NOISE"
+        if self.interval is not None:
+            return "PASS" if self.interval[0] >= self.target else "MISS"
         return "PASS" if self.value >= self.target else "MISS"
 
     def line(self) -> str:
         """`ratio NAME: 0.991 (target >= 0.98: PASS)`, the line tests and readers look for."""
         goal = f" (target >= {self.target:g}: {self.verdict})" if self.target is not None else ""
+        if self.interval is not None:
+            goal += f" [95% interval of the median {self.interval[0]:.3f}-{self.interval[1]:.3f}]"
         return f"ratio {self.name}: {self.value:.3f}{goal}"
 
 
@@ -151,6 +175,10 @@ def exit_code(ratios: list[Ratio], quick: bool) -> int:
     if missed and not quick:
         print(f"missed target: {', '.join(missed)}", file=sys.stderr)
         return 1
+    unsettled = [r.name for r in ratios if r.verdict == "WITHIN NOISE"]
+    if unsettled and not quick:
+        print(f"within noise (more --rounds or a quieter machine would settle them): {', '.join(unsettled)}",
+              file=sys.stderr)
     return 0
 
 

@@ -125,7 +125,7 @@ def main(argv=None) -> int:
         if name != "memory":
             ratios.append(common.Ratio(f"memory / {name}", common.paired_ratio(times, "memory", over=name),
                                        (GPU_TARGET if args.device == "cuda" else TARGET) if name == REFERENCE
-                                       else None))
+                                       else None, common.median_interval(times, "memory", name)))
         relative = common.paired_ratio(times, name, over=REFERENCE)
         rows.append([name, common.per_second(per_epoch, times[name]), f"{relative:.2f}"])
     notes = [

@@ -146,7 +146,7 @@ def report_rows(args, result: dict):
     rows, ratios = [], []
     for side in SIDES:
         ratio = common.Ratio(f"{side} / independent", common.paired_ratio(times, side, over="independent"),
-                             TARGET if side == "ddp" else None)
+                             TARGET if side == "ddp" else None, common.median_interval(times, side, "independent"))
         if side != "independent":
             ratios.append(ratio)
         rows.append([side, args.model, batch, common.per_second(WORLD * batch * n, times[side]), f"{ratio.value:.3f}",

@@ -146,7 +146,7 @@ def measure_model(name: str, args, engines: dict):
     rows, ratios = [], []
     for side in steps:
         ratio = common.Ratio(f"{name} {side} / {REFERENCE}", common.paired_ratio(times, side, over=REFERENCE),
-                             TARGET if side in engines else None)
+                             TARGET if side in engines else None, common.median_interval(times, side, REFERENCE))
         extra_ms = statistics.median(s - r for s, r in zip(times[side], times[REFERENCE])) / n * 1000
         if side != REFERENCE:
             ratios.append(ratio)
@@ -176,9 +176,10 @@ def main(argv=None) -> int:
          "hand in that group: what DDP's reducer would cost it."),
         ("extra ms/step: the median per-round difference to the plain loop, a fixed cost per step that weighs "
          "most on the smallest model."),
-        ("the target is judged on the median ratio; 'fastest rounds' compares each side's fastest round, "
-         "the least disturbed by other work on a busy machine; the quartiles of the per-round ratios show the "
-         "noise: a target inside them is not settled by one run."),
+        ("the target is judged on the ~95% interval of the median ratio (order statistics of the per-round "
+         "ratios): PASS or MISS only when the whole interval is on one side of it, else WITHIN NOISE, so a re-run "
+         "cannot turn one into the other by chance; 'fastest rounds' compares each side's fastest round, the "
+         "least disturbed by other work on a busy machine."),
     ]
     columns = ["model", "side", "batch", "images/s (median)", "ratio to plain loop (median)",
                "per-round ratios (quartiles)", "ratio, fastest rounds",

@@ -65,3 +65,23 @@ def test_memory_quick_world_2_measures_the_shards_each_rank_holds(tmp_path):
     assert float(cells[4]) == pytest.approx(4 * model_mib, abs=0.01)
     assert (tmp_path / "out" / "memory.png").read_bytes().startswith(b"\x89PNG")
 
+
+
+def test_a_verdict_is_pass_or_miss_only_when_the_medians_interval_clears_the_target():
+    """Issue 15: verdicts that hold up when run again. 16 rounds' ratios 0.90, 0.91, ..., 1.05: the ~95%
+    interval of their median is the 4th smallest to the 4th largest (binomial tail 0.0106 per side, counted
+    here by hand), and a target inside it is WITHIN NOISE, neither PASS nor MISS."""
+    import sys
+
+    sys.path.insert(0, str(BENCHMARKS))
+    import common
+
+    over = [0.90 + 0.01 * i for i in range(16)]
+    times = {"side": [1.0] * 16, "over": over}
+    low, high = common.median_interval(times, "side", "over")
+    assert (round(low, 6), round(high, 6)) == (0.93, 1.02)
+    verdicts = {target: common.Ratio("r", common.paired_ratio(times, "side", "over"), target, (low, high)).verdict
+                for target in (0.92, 0.93, 0.98, 1.02, 1.03)}
+    assert verdicts == {0.92: "PASS", 0.93: "PASS", 0.98: "WITHIN NOISE", 1.02: "WITHIN NOISE", 1.03: "MISS"}
+    assert common.exit_code([common.Ratio("r", 0.975, 0.98, (0.93, 1.02))], quick=False) == 0
+    assert common.exit_code([common.Ratio("r", 0.9, 0.98, (0.85, 0.95))], quick=False) == 1
