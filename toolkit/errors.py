@@ -42,15 +42,21 @@ class PeerFailure(RunFailure):
         self.exit_code = exit_code
 
 
+# True once the main process of this job draws a progress bar on the terminal this process shares (set by
+# the training loop on the other ranks): their sentence then starts a line of its own, not the bar's end.
+progress_elsewhere = False
+
+
 def report(error: BaseException, stream=None) -> int:
     stream = stream or sys.stderr
-    if "tqdm" in sys.modules:  # a progress bar still on the line would glue the sentence onto its end
+    line = ("\n" if progress_elsewhere else "") + f"error: {error}"
+    if "tqdm" in sys.modules:  # a progress bar of this process still on the line: tqdm moves it out of the way
         from tqdm import tqdm
 
         with tqdm.external_write_mode(file=stream):
-            print(f"error: {error}", file=stream, flush=True)
+            print(line, file=stream, flush=True)
     else:
-        print(f"error: {error}", file=stream, flush=True)
+        print(line, file=stream, flush=True)
     return getattr(error, "exit_code", 1)
 
 

@@ -5,13 +5,20 @@ what a NaN on a rank other than the main one does (--debug-nan-step injects only
 
 The recipe's loss is torch.nn.functional.cross_entropy with the default mean reduction; evaluation sums
 (reduction="sum") and is left alone. Counting calls counts optimizer steps when there is no accumulation.
+
+The main process waits a second before it claims the sentence, so the poisoned rank always says it while
+the main process's progress bar is still on the shared terminal line (the case that once glued the two).
 """
 
 import os
 import runpy
 import sys
 
+import time
+
 import torch.nn.functional as F
+
+import toolkit.errors
 
 RANK, STEP = os.environ["NAN_RANK"], int(os.environ["NAN_STEP"])
 cross_entropy, calls = F.cross_entropy, [0]
@@ -25,7 +32,17 @@ def poisoned(*args, **kwargs):
     return loss * float("nan") if calls[0] == STEP else loss
 
 
+speaks = toolkit.errors.speaks
+
+
+def speaks_late_on_rank_0(error):
+    if os.environ.get("RANK", "0") == "0":
+        time.sleep(1)
+    return speaks(error)
+
+
 F.cross_entropy = poisoned
+toolkit.errors.speaks = speaks_late_on_rank_0
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 sys.path.insert(0, os.path.dirname(os.path.abspath(script)))

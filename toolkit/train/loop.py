@@ -23,6 +23,7 @@ from tqdm import tqdm
 from toolkit.train.batching import plan_batches
 from toolkit.train.checkpoint import CHECKPOINT_FORMATS
 from toolkit.engines import ENGINES, build_accelerator
+from toolkit import errors
 from toolkit.errors import UserError
 from toolkit.train.records import RunRecorder, check_fresh_output_dir
 from toolkit.train.run_state import RunState, agreed_restart_count, check_loss, peer_failures
@@ -160,6 +161,7 @@ def fit(run: RunState, cfg, train_loader, test_loader, bn_fallback: bool):
     records = RunRecorder(cfg.output_dir, active=accelerator.is_main_process)
     progress = tqdm(total=run.total_steps, initial=run.step, disable=not accelerator.is_main_process,
                     dynamic_ncols=True)
+    errors.progress_elsewhere = accelerator.num_processes > 1 and not accelerator.is_main_process
     metrics = {}
     run.average_bn = bn_fallback  # at every save, so every evaluation (it follows one) sees the averaged model
     with StopRequest() as stop, peer_failures(run, cfg.timeout):
