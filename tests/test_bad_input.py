@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import CONFIGS, PY, ROOT, TOOLKIT, run
+from hostile import CreatesFileOnLoad
 from toolkit import cli
 from toolkit.train.checkpoint import save_checkpoint
 from toolkit.errors import UserError
@@ -143,15 +144,10 @@ def used_folder(tmp_path):
     return str(tmp_path / "used")
 
 
-class _Evil:
-    def __reduce__(self):
-        return (open, ("evil-pickle-ran", "w"))
-
-
 def evil_cifar_folder(tmp_path):
     folder = cifar_folder(tmp_path)
     with open(f"{folder}/cifar-10-batches-py/data_batch_1", "wb") as f:
-        pickle.dump({b"data": _Evil(), b"labels": [0]}, f)
+        pickle.dump({b"data": CreatesFileOnLoad(tmp_path / "evil-pickle-ran"), b"labels": [0]}, f)
     return folder
 
 

@@ -7,7 +7,6 @@ import hashlib
 import json
 import os
 import random
-import shlex
 import signal
 import socket
 import subprocess
@@ -20,6 +19,7 @@ import pytest
 import safetensors
 import torch
 import torch.distributed as dist
+from hostile import CreatesFileOnLoad
 
 from toolkit.errors import UserError
 from toolkit.models.weights import load_model, save_model, unwrap_model
@@ -329,21 +329,13 @@ def test_sigkill_mid_save_leaves_a_loadable_latest(tmp_path):
         server.wait()
 
 
-class RunsCodeOnLoad:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {shlex.quote(str(self.marker))}",)
-
-
 @pytest.mark.parametrize("name", ["optimizer.pt", "rng.pt"])
 def test_malicious_pickle_is_refused(tmp_path, name):
     model, optimizer, _ = make_training()
     path = save_checkpoint(tmp_path / "ckpt", 1, model=model, optimizer=optimizer)
     marker = tmp_path / "pwned"
     evil = path / name
-    torch.save({"state": {0: RunsCodeOnLoad(marker)}, "param_groups": []}, evil)
+    torch.save({"state": {0: CreatesFileOnLoad(marker)}, "param_groups": []}, evil)
     torch.load(evil, weights_only=False)  # proves the payload really runs code when unpickled
     assert marker.exists()
     marker.unlink()

@@ -9,10 +9,16 @@ launch, and every rank failing after the group formed (a checkpoint of another m
 tests/test_bad_input_launched.py runs under both launchers in one launch each.
 """
 
+import os
+import signal
+import subprocess
+import time
+
 import pytest
 
-from conftest import ACCELERATE, CONFIGS, PY, ROOT, SCRIPTS, TOOLKIT, TORCHRUN, run
+from conftest import ACCELERATE, CONFIGS, PY, ROOT, SCRIPTS, TOOLKIT, TORCHRUN, clean_env, kill_groups, run
 from toolkit.launch.launcher import free_port
+from toolkit.train.checkpoint import latest_checkpoint
 
 CIFAR = str(ROOT / "recipes" / "cifar.py")
 CPU = str(CONFIGS / "cpu.yaml")
@@ -54,7 +60,7 @@ def test_one_sentence_under_a_two_process_launch(case, launcher, tmp_path):
     else:  # accelerate's own summary (and its own traceback) follow; our sentence is its root cause
         assert proc.returncode != 0 and output.count("Traceback") <= 1, output
         root_cause = output.split("Root Cause")[1]
-        assert f"traceback : error: " in root_cause and words in root_cause, output
+        assert "traceback : error: " in root_cause and words in root_cause, output
 
 
 def test_plain_torchrun_names_our_sentence_as_the_root_cause(tmp_path):
@@ -70,3 +76,29 @@ def test_python_exits_2_with_one_line(tmp_path):
                 tmp_path / "o"], check=False, timeout=120)
     assert proc.returncode == 2 and (proc.stdout + proc.stderr).strip().splitlines() == our_lines(proc), proc.stderr
     assert not (tmp_path / "nonexistent").exists()  # the failed download left nothing behind
+
+
+def test_ctrl_c_under_toolkit_launch_saves_a_checkpoint_and_says_one_line(tmp_path):
+    """Ctrl-C reaches the whole foreground process group (the launcher and both ranks): the ranks finish their
+    step and save it, and toolkit launch exits 130 with the run's one line, without torchelastic's traceback
+    for the signal that stopped its agent."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(TOOLKIT + ["launch", "--config_file", CPU, "--engine", "ddp", CIFAR, "--dataset",
+                                       "synthetic", "--model", "tiny", "--epochs", "3", "--output-dir", str(out)],
+                            cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own group, as a terminal's foreground job
+    try:
+        deadline = time.monotonic() + 120
+        while '"step": 5,' not in ((out / "metrics.jsonl").read_text() if (out / "metrics.jsonl").exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        output = proc.communicate(timeout=60)[0]
+    finally:
+        kill_groups([proc])
+    lines = [line for line in output.replace("\r", "\n").splitlines() if line.strip() and "%|" not in line]
+    assert proc.returncode == 130 and "Traceback" not in output, output[-3000:]
+    said = [line for line in lines if line.startswith("interrupted at step ")]
+    assert len(said) == 1 and lines[-1] == said[0], lines  # once, and nothing after it
+    step = int(said[0].split()[3].rstrip(":"))
+    assert latest_checkpoint(out / "checkpoints").name == f"step-{step:08d}"

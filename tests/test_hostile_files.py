@@ -9,18 +9,11 @@ import numpy as np
 import pytest
 
 from conftest import CONFIGS
+from hostile import CreatesFileOnLoad
 from toolkit.data import load_data
 from toolkit.data.memory import load_cifar
 from toolkit.errors import UserError
 from toolkit.data.safe_pickle import load_restricted
-
-
-class CreatesAFile:
-    def __init__(self, target):
-        self.target = str(target)
-
-    def __reduce__(self):  # what a crafted "CIFAR batch" does: call any function on load
-        return (open, (self.target, "w"))
 
 
 def cifar_folder(root, first_batch):
@@ -35,13 +28,13 @@ def cifar_folder(root, first_batch):
 
 def test_a_pickle_that_runs_code_is_refused_and_nothing_runs(tmp_path):
     target = tmp_path / "created-by-the-pickle"
-    folder = cifar_folder(tmp_path / "data", {b"data": CreatesAFile(target), b"labels": [0]})
+    folder = cifar_folder(tmp_path / "data", {b"data": CreatesFileOnLoad(target), b"labels": [0]})
     with pytest.raises(UserError) as raised:
         load_cifar("cifar10", tmp_path / "data", download=False)
     message = str(raised.value)
     assert str(folder / "data_batch_1") in message and "io.open" in message and "\n" not in message, message
     assert not target.exists()
-    pickle.loads(pickle.dumps(CreatesAFile(target)))  # the same bytes through plain pickle do create it
+    pickle.loads(pickle.dumps(CreatesFileOnLoad(target)))  # the same bytes through plain pickle do create it
     assert target.exists()
 
 
@@ -274,18 +267,10 @@ def written(path, text):
     return path
 
 
-class TouchOnLoad:
-    def __init__(self, target):
-        self.target = str(target)
-
-    def __reduce__(self):
-        return (open, (self.target, "w"))
-
-
 def _pickled_optimizer(target):
     def edit(path):
         with open(path / "optimizer.pt", "wb") as f:
-            pickle.dump({"state": TouchOnLoad(target)}, f)
+            pickle.dump({"state": CreatesFileOnLoad(target)}, f)
     return edit
 
 

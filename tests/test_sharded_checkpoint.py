@@ -13,6 +13,7 @@ import shutil
 import pytest
 import torch
 from conftest import ROOT
+from hostile import CreatesFileOnLoad
 
 from toolkit import cli
 from toolkit.train.checkpoint import latest_checkpoint, load_checkpoint
@@ -89,24 +90,16 @@ def test_shards_that_did_not_reach_rank_0s_folder_are_refused(tmp_path, monkeypa
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == []
 
 
-class RunsOnLoad:
-    def __init__(self, target):
-        self.target = str(target)
-
-    def __reduce__(self):
-        return (open, (self.target, "w"))
-
-
 def hostile_index(tmp_path):
     path = sharded(tmp_path)
-    (path / ".metadata").write_bytes(pickle.dumps(RunsOnLoad(tmp_path / "ran")))
+    (path / ".metadata").write_bytes(pickle.dumps(CreatesFileOnLoad(tmp_path / "ran")))
     reseal(path)
     return path
 
 
 def hostile_value(tmp_path):
     # torch.save pickles whatever a param_group holds; DCP would torch.load it with weights_only=False.
-    return sharded(tmp_path, edit_optimizer=lambda o: o.param_groups[0].update(dampening=RunsOnLoad(tmp_path / "ran")))
+    return sharded(tmp_path, edit_optimizer=lambda o: o.param_groups[0].update(dampening=CreatesFileOnLoad(tmp_path / "ran")))
 
 
 def truncated(tmp_path, seal=False):

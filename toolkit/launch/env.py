@@ -123,6 +123,32 @@ def _slurm_step(environ: Mapping[str, str]) -> tuple:
             first_slurm_host(nodelist) if nodelist else None)
 
 
+def _torchrun_group(environ: Mapping[str, str], by_accelerate: bool, legacy_local_rank: int | None) -> tuple:
+    """(launcher, rank, world size, local rank, local world size, node rank, nodes) under torchrun's variables."""
+    if by_accelerate:
+        launcher = "accelerate"
+    elif environ.get("TOOLKIT_LAUNCHER") == "spawn":  # toolkit.spawn's workers (torch.multiprocessing)
+        launcher = "spawn"
+    elif legacy_local_rank is not None:
+        launcher = "torch.distributed.launch"
+    else:
+        launcher = "torchrun"
+    world_size = _int(environ, "WORLD_SIZE")
+    local_rank = _int(environ, "LOCAL_RANK", default=legacy_local_rank if legacy_local_rank is not None else 0)
+    return (launcher, _int(environ, "RANK"), world_size, local_rank,
+            _int(environ, "LOCAL_WORLD_SIZE", default=world_size), _int(environ, "GROUP_RANK", "NODE_RANK", default=0),
+            _int(environ, "GROUP_WORLD_SIZE", default=1))
+
+
+def _mpi_world(environ: Mapping[str, str]) -> tuple:
+    """(rank, world size, local rank, local world size, node rank, nodes) under mpirun (Open MPI or MPICH)."""
+    world_size = _int(environ, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+    local_world = _int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", default=world_size)
+    return (_int(environ, "OMPI_COMM_WORLD_RANK", "PMI_RANK"), world_size,
+            _int(environ, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", default=0), local_world,
+            _int(environ, "OMPI_COMM_WORLD_NODE_RANK", default=0), max(1, world_size // max(1, local_world)))
+
+
 def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> LaunchEnv:
     """Read the launch environment once; see the module docstring for what each launcher sets."""
     environ = os.environ if environ is None else environ
@@ -131,33 +157,15 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
     legacy_local_rank = _legacy_local_rank(argv)
     master_addr = environ.get("MASTER_ADDR") or None
     master_port = _int(environ, "MASTER_PORT")
-    engine = environ.get("TOOLKIT_ENGINE") or None
     # A use_cpu or MULTI_CPU profile: the launchers set it, and it wins over any GPU on the host.
     use_cpu = environ.get("ACCELERATE_USE_CPU", "").strip().lower() in ("1", "true", "yes", "y", "on")
 
-    if "RANK" in environ and "WORLD_SIZE" in environ:  # torchrun, accelerate launch, legacy launch
-        if by_accelerate:
-            launcher = "accelerate"
-        elif environ.get("TOOLKIT_LAUNCHER") == "spawn":  # toolkit.spawn's workers (torch.multiprocessing)
-            launcher = "spawn"
-        elif legacy_local_rank is not None:
-            launcher = "torch.distributed.launch"
-        else:
-            launcher = "torchrun"
-        world_size = _int(environ, "WORLD_SIZE")
-        local_rank = _int(environ, "LOCAL_RANK", default=legacy_local_rank if legacy_local_rank is not None else 0)
-        local_world = _int(environ, "LOCAL_WORLD_SIZE", default=world_size)
-        node_rank = _int(environ, "GROUP_RANK", "NODE_RANK", default=0)
-        rank = _int(environ, "RANK")
-        num_nodes = _int(environ, "GROUP_WORLD_SIZE", default=1)
+    if "RANK" in environ and "WORLD_SIZE" in environ:  # torchrun, accelerate launch, legacy launch, spawn
+        launcher, rank, world_size, local_rank, local_world, node_rank, num_nodes = _torchrun_group(
+            environ, by_accelerate, legacy_local_rank)
     elif "OMPI_COMM_WORLD_SIZE" in environ or "PMI_SIZE" in environ:
         launcher = "mpi"
-        rank = _int(environ, "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-        world_size = _int(environ, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-        local_rank = _int(environ, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", default=0)
-        local_world = _int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", default=world_size)
-        node_rank = _int(environ, "OMPI_COMM_WORLD_NODE_RANK", default=0)
-        num_nodes = max(1, world_size // max(1, local_world))
+        rank, world_size, local_rank, local_world, node_rank, num_nodes = _mpi_world(environ)
     elif "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ:  # inside `srun`, one task per rank
         launcher = "slurm"
         rank, world_size, local_rank, local_world, node_rank, num_nodes, first_host = _slurm_step(environ)
@@ -179,7 +187,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
         master_port=master_port,
         # WORLD_SIZE absent: a torchrun-started world of 1 is a real (if small) group, not a lost one.
         accelerate_lost_processes=by_accelerate and "WORLD_SIZE" not in environ and master_port is not None,
-        engine=engine,
+        engine=environ.get("TOOLKIT_ENGINE") or None,
         mixed_precision=environ.get("ACCELERATE_MIXED_PRECISION") or None,
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", default=0),
         agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",

@@ -41,6 +41,9 @@ class LaunchPlan:
     env: dict[str, str]  # only what the launch adds to the current environment
     notes: tuple[str, ...] = ()
     restarts: int = 0  # restarts the launcher itself performs (one-process engines; torchrun does its own)
+    # torchrun's agent runs in the launcher's own process (one machine; on several, the launcher's handshake
+    # store and the agent's would share a port in one process)
+    agent_here: bool = False
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -125,6 +128,50 @@ def _multi_node(profile: Profile, engine: str, environ) -> tuple[dict, list[str]
     return env, args, notes
 
 
+def _visible_devices(gpu_ids: str, environ) -> str:
+    """CUDA_VISIBLE_DEVICES for a profile's gpu_ids: under an inherited CUDA_VISIBLE_DEVICES (a scheduler's
+    allocation) they are positions in that list, not physical ids."""
+    inherited = environ.get("CUDA_VISIBLE_DEVICES")
+    if not inherited:
+        return gpu_ids
+    visible = [d.strip() for d in inherited.split(",") if d.strip()]
+    ids = [int(i) for i in gpu_ids.split(",") if i.strip().isdigit()]
+    return ",".join(visible[i] for i in ids if i < len(visible))
+
+
+def _accelerate_command(profile: Profile, gpus: int, max_restarts: int, notes: list) -> tuple[list, bool]:
+    """`accelerate launch` with every topology value on its command line (the profile's file may hold others:
+    SLURM's node count and main node, --machine_rank) and whether it starts a torchrun group."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", profile.path,
+               "--num_processes", str(profile.num_processes), "--num_machines", str(profile.num_machines),
+               "--machine_rank", str(profile.machine_rank)]
+    if profile.num_machines > 1:
+        command += ["--main_process_ip", profile.main_process_ip,
+                    "--main_process_port", str(profile.main_process_port or MULTI_NODE_PORT)]
+    if profile.num_processes > 1 and (profile.distributed_type in ("MULTI_CPU", "NO") and gpus == 0
+                                      or profile.distributed_type == "MULTI_CPU"):
+        command.append("--multi_gpu")  # accelerate's torchrun path; the engine makes it a gloo group
+        notes.append("MULTI_CPU without mpirun starts one process in accelerate: routed through torchrun.")
+    if profile.main_process_port is None and profile.num_machines == 1:
+        command += ["--main_process_port", str(free_port())]
+    multi = profile.num_processes > 1 or profile.num_machines > 1 or "--multi_gpu" in command
+    if max_restarts and multi:
+        command += ["--max_restarts", str(max_restarts)]  # accelerate hands it to torchrun
+    return command, multi
+
+
+def _torchrun_command(profile: Profile, max_restarts: int, notes: list) -> list:
+    host, port, rdzv_notes = _rendezvous(profile)
+    notes += rdzv_notes
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(profile.processes_per_machine),
+               "--nnodes", str(profile.num_machines)]
+    if profile.rdzv_backend == "c10d":  # c10d numbers the nodes itself
+        command += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{host}:{port}", "--rdzv_id", "toolkit"]
+    else:
+        command += ["--node_rank", str(profile.machine_rank), "--master_addr", host, "--master_port", str(port)]
+    return command + (["--max-restarts", str(max_restarts)] if max_restarts else [])
+
+
 def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus: int | None = None,
                 max_restarts: int = 0, environ=None) -> LaunchPlan:
     """The command and environment that start `script_and_args` under `engine` with `profile`."""
@@ -137,6 +184,8 @@ def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus:
     cpu_profile = profile.use_cpu or profile.distributed_type == "MULTI_CPU"
     if cpu_profile:
         env["ACCELERATE_USE_CPU"] = "true"  # every engine (and accelerate itself) trains on CPU, GPUs or not
+    elif profile.gpu_ids not in (None, "all"):
+        env["CUDA_VISIBLE_DEVICES"] = _visible_devices(profile.gpu_ids, environ)
     node_args = []
     if profile.num_machines > 1:
         node_env, node_args, node_notes = _multi_node(profile, engine, environ)
@@ -147,52 +196,17 @@ def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus:
             # did not fail) keeps its restart count: the old round's keys and mismatched per-attempt prefixes
             # would meet in it. A fresh store per round, hosted by the new rank 0, leaves nothing stale.
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    if profile.gpu_ids not in (None, "all") and not cpu_profile:
-        # gpu_ids index the GPUs this process sees: under an inherited CUDA_VISIBLE_DEVICES (a scheduler's
-        # allocation) they are positions in that list, not physical ids.
-        inherited = environ.get("CUDA_VISIBLE_DEVICES")
-        if inherited:
-            visible = [d.strip() for d in inherited.split(",") if d.strip()]
-            ids = [int(i) for i in profile.gpu_ids.split(",") if i.strip().isdigit()]
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] for i in ids if i < len(visible))
-        else:
-            env["CUDA_VISIBLE_DEVICES"] = profile.gpu_ids
-    python = sys.executable
     if engine == "accelerate":
-        # Every topology value goes on the command line: the profile's file may hold others (SLURM's node
-        # count and main node, --machine_rank) and accelerate would read them from there.
-        command = [python, "-m", "accelerate.commands.launch", "--config_file", profile.path,
-                   "--num_processes", str(profile.num_processes), "--num_machines", str(profile.num_machines),
-                   "--machine_rank", str(profile.machine_rank)]
-        if profile.num_machines > 1:
-            command += ["--main_process_ip", profile.main_process_ip,
-                        "--main_process_port", str(profile.main_process_port or MULTI_NODE_PORT)]
-        if profile.num_processes > 1 and (profile.distributed_type in ("MULTI_CPU", "NO") and gpus == 0
-                                          or profile.distributed_type == "MULTI_CPU"):
-            command.append("--multi_gpu")  # accelerate's torchrun path; the engine makes it a gloo group
-            notes.append("MULTI_CPU without mpirun starts one process in accelerate: routed through torchrun.")
-        if profile.main_process_port is None and profile.num_machines == 1:
-            command += ["--main_process_port", str(free_port())]
-        multi = profile.num_processes > 1 or profile.num_machines > 1 or "--multi_gpu" in command
-        if max_restarts and multi:
-            command += ["--max_restarts", str(max_restarts)]  # accelerate hands it to torchrun
-        command += node_args
-        return LaunchPlan(command + list(script_and_args), env, tuple(notes), 0 if multi else max_restarts)
+        command, multi = _accelerate_command(profile, gpus, max_restarts, notes)
+        return LaunchPlan(command + node_args + list(script_and_args), env, tuple(notes), 0 if multi else max_restarts,
+                          agent_here=multi and profile.num_machines == 1)
     if engine in TORCHRUN_ENGINES:
-        host, port, rdzv_notes = _rendezvous(profile)
-        command = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(profile.processes_per_machine),
-                   "--nnodes", str(profile.num_machines)]
-        if profile.rdzv_backend == "c10d":  # c10d numbers the nodes itself
-            command += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{host}:{port}", "--rdzv_id", "toolkit"]
-        else:
-            command += ["--node_rank", str(profile.machine_rank), "--master_addr", host, "--master_port", str(port)]
-        command += node_args
-        if max_restarts:
-            command += ["--max-restarts", str(max_restarts)]
-        return LaunchPlan(command + list(script_and_args), env, tuple(notes + rdzv_notes))
+        command = _torchrun_command(profile, max_restarts, notes)
+        return LaunchPlan(command + node_args + list(script_and_args), env, tuple(notes),
+                          agent_here=profile.num_machines == 1)
     if profile.num_processes > 1:
         notes.append(f"the {engine} engine runs one process; the profile's num_processes is not used.")
-    return LaunchPlan([python] + list(script_and_args), env, tuple(notes), max_restarts)
+    return LaunchPlan([sys.executable] + list(script_and_args), env, tuple(notes), max_restarts)
 
 
 def format_plan(plan: LaunchPlan) -> str:
@@ -207,6 +221,8 @@ NOT_RESTARTED = (0, 2, 130)
 def run_plan(plan: LaunchPlan) -> int:
     """Run the plan, restarting a failed one-process run `plan.restarts` times (the child sees
     TORCHELASTIC_RESTART_COUNT, as under torchrun, and resumes from its latest checkpoint)."""
+    if plan.agent_here:
+        return _run_agent_here(plan)
     for attempt in range(plan.restarts + 1):
         code = _run_once(plan, {"TORCHELASTIC_RESTART_COUNT": str(attempt)} if plan.restarts else {})
         if code in NOT_RESTARTED or attempt == plan.restarts:
@@ -225,6 +241,17 @@ def quiet_command(command: list[str]) -> list[str]:
     if command[1:2] == ["-m"] and command[2] in QUIET_LAUNCHERS:
         return [command[0], "-m", "toolkit.launch.quiet", *command[2:]]
     return command
+
+
+def _run_agent_here(plan: LaunchPlan) -> int:
+    """torchrun's agent (accelerate's launcher runs it too) in this process, as toolkit.launch.quiet runs it:
+    the workers are this process's children, and no second interpreter imports torch again (~2.5 s).
+    Nothing is left to clean up once they are gone, so the process then ends without tearing down the
+    interpreter (another ~0.7 s)."""
+    from toolkit.launch import quiet
+
+    os.environ.update(plan.env)
+    quiet.exit_now(quiet.main(plan.command[2:]))
 
 
 def _run_once(plan: LaunchPlan, extra_env: dict) -> int:

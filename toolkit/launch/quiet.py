@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 
 # Importing these creates the loggers that print the OMP_NUM_THREADS banner, "Sending process N closing
@@ -51,6 +52,7 @@ def failure_code(failed) -> int:
 
 
 def main(argv: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     module, args = argv[0], argv[1:]
@@ -60,10 +62,20 @@ def main(argv: list[str]) -> int:
         importlib.import_module(module).main()
     except ChildFailedError as failed:
         return failure_code(failed)
+    except SignalException as stopped:  # Ctrl-C or SIGTERM: the agent stopped the workers, which said what they saved
+        return 128 + int(stopped.sigval)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 1
     return 0
 
 
+def exit_now(code: int):
+    """Leave without tearing down the interpreter (~0.7 s with torch loaded): the launcher has nothing left
+    to clean up once its workers are gone, and every line it printed is flushed first."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))
