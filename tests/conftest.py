@@ -83,3 +83,29 @@ PY = sys.executable
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
 ACCELERATE = [PY, "-m", "accelerate.commands.launch"]
 TOOLKIT = [PY, "-m", "toolkit.cli"]
+
+
+@pytest.fixture(autouse=True)
+def share_the_machine(request, tmp_path_factory):
+    """Under pytest-xdist (the README runs the suite with `-n auto --dist loadfile`), tests of different files
+    run side by side, except a test marked `alone`: it asserts a time bound measured on an idle machine, so it
+    waits until the tests running elsewhere finish, and none starts until it ends. A readers-writer lock over
+    files every worker sees, with a turnstile so that a waiting `alone` test is not starved."""
+    if not hasattr(request.config, "workerinput"):  # one process: nothing runs beside this test
+        yield
+        return
+    import fcntl
+
+    folder = tmp_path_factory.getbasetemp().parent  # pytest-N/, above each worker's popen-gwK/
+    alone = request.node.get_closest_marker("alone") is not None
+    with open(folder / "turnstile.lock", "a") as turnstile, open(folder / "machine.lock", "a") as machine:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)  # only passes through: a waiting `alone` test holds it
+        fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)
+            if alone:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)

@@ -207,9 +207,9 @@ SchedulerType=sched/builtin
 SlurmdParameters=config_overrides
 ReturnToService=2
 KillWait=5
-# sbatch --wait polls every 2 s only while that is under MinJobAge/2 (else 2, 8, 32 s...: a ~20 s job waited 42 s).
+# sbatch --wait polls every 2 s unless 2 < MinJobAge/2 (integer division); then 2, 8, 32 s: a ~20 s job waited 42 s.
 # Finished jobs stay listed for at least MinJobAge seconds, and the tests read them right after sbatch returns.
-MinJobAge=4
+MinJobAge=5
 {nodes}
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """)

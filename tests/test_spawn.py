@@ -3,6 +3,7 @@ build_accelerator() forms the group; 2 workers train the same weights as one pro
 returns every sample exactly once."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -36,7 +37,18 @@ def check_two_workers(out, one_process, engine, launcher):
 
 
 def test_spawn_two_workers_train_what_one_process_trains(tmp_path, one_process):
-    toolkit.spawn(train, 2, str(tmp_path))
+    toolkit.spawn(train, 2, str(tmp_path), start_method="spawn")  # a script's default; the runner's __main__ varies
+    check_two_workers(tmp_path, one_process, "ddp", "spawn")
+
+
+def test_a_notebook_that_already_ran_torch_forks_workers_that_train_what_one_process_trains(tmp_path, one_process):
+    """A notebook's __main__ has no file, so its workers are forked (a cell's function cannot be pickled). A
+    matmul run before the launch started torch's OpenMP threads, which a fork does not copy: workers that
+    used them waited forever."""
+    cell = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import torch, toolkit, spawn_work\n"
+            "x = torch.randn(512, 512); (x @ x).sum().item()  # an earlier cell\n"
+            f"toolkit.spawn(spawn_work.train, 2, {str(tmp_path)!r})\n")
+    run([PY, "-c", cell], timeout=120, OMP_NUM_THREADS=2)  # a notebook's matmul uses the cores (tests set 1)
     check_two_workers(tmp_path, one_process, "ddp", "spawn")
 
 
@@ -63,3 +75,17 @@ def test_spawned_workers_read_as_the_spawn_launcher_and_get_ddp():
     env = toolkit.read_launch_env(environ={"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
                                            "MASTER_PORT": "29500", "TOOLKIT_LAUNCHER": "spawn"}, argv=["x"])
     assert (env.launcher, env.rank, env.world_size, toolkit.resolve_engine("auto", env)) == ("spawn", 1, 2, "ddp")
+
+
+@pytest.mark.parametrize("main_file, method", [(None, "fork"), ("<stdin>", "fork"), (__file__, "spawn")])
+def test_workers_are_forked_only_when_the_main_module_is_no_file(monkeypatch, main_file, method):
+    """`python - < script.py` names its __main__ "<stdin>": spawn's workers could not re-import it."""
+    import types
+
+    from toolkit.launch.spawn import _default_start_method
+
+    main = types.ModuleType("__main__")
+    if main_file is not None:
+        main.__file__ = main_file
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    assert _default_start_method() == method

@@ -161,8 +161,9 @@ def exit_for(error: RunFailure):
     sys.stdout.flush()
     if not said and not error.quiet:
         # Before the process group every rank checks the same flags and local rank 0 says it; the launcher
-        # ends all ranks as soon as one exits, so give it the moment it needs to print first.
-        time.sleep(2)
+        # ends all ranks as soon as one exits, so give it time to print first, on a loaded machine too (the
+        # wait ends as soon as local rank 0 exits: the launcher then stops this rank).
+        time.sleep(5)
     os._exit(error.exit_code)  # skip interpreter teardown: a half-formed or broken process group can hang it
 
 
