@@ -12,15 +12,17 @@ import datetime
 import functools
 import random
 import types
+import weakref
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 
 from toolkit import errors
 from toolkit.engines.base import cpu_requested
-from toolkit.engines.ddp import DEFAULT_TIMEOUT_S, attempt_store, nccl_error_handling
+from toolkit.engines.ddp import DEFAULT_TIMEOUT_S, attempt_store, nccl_error_handling, release_ddp_wrappers
 from toolkit.engines.prepared import has_gradients
 from toolkit.errors import UserError
 from toolkit.check.capture import build_recorder
@@ -98,6 +100,7 @@ class AccelerateEngine:
         except (ValueError, TypeError) as error:
             raise UserError(f"accelerate refused the settings: {error}") from None
         self._recorder = build_recorder(self)  # `toolkit parity` only; otherwise its hooks do nothing
+        self._wrapped = []  # weak references to the DDP modules accelerate made
 
     def __getattr__(self, name):
         # Only reached for names not defined here: the whole Accelerator API stays available.
@@ -120,12 +123,18 @@ class AccelerateEngine:
         for obj in prepared if isinstance(prepared, tuple) else (prepared,):
             if hasattr(obj, "step_was_skipped") and getattr(obj, "scaler", None) is not None:
                 _count_skipped_steps(obj, self)
+            if isinstance(obj, DistributedDataParallel):
+                self._wrapped.append(weakref.ref(obj))
         self._recorder.prepared(prepared if len(objects) != 1 else (prepared,))
         return prepared
 
     def backward(self, loss, **kwargs):
         self._recorder.backward(loss)
         self.accelerator.backward(loss, **kwargs)
+
+    def end_training(self):
+        self.accelerator.end_training()  # destroys the process group
+        release_ddp_wrappers(self._wrapped)
 
     def main_process_first(self):
         """Accelerate's order, but a failure on the main process ends the others instead of breaking their barrier."""

@@ -44,6 +44,21 @@ def nccl_error_handling(environ=None):
     environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 
+def release_ddp_wrappers(wrapped: list):
+    """Drop what ties each DDP-wrapped model (weak references in `wrapped`) to the destroyed group: its
+    reducer, logger and group, so the group's gloo threads stop now, while the interpreter is alive. Left to
+    interpreter exit, they abort the process about one run in 70 ("terminate called without an active
+    exception", a known PyTorch teardown race; more often on a loaded machine). The unwrapped model stays
+    usable; the DDP wrapper cannot train any more."""
+    for ref in wrapped:
+        model = ref()
+        for name in ("logger", "reducer", "process_group"):
+            if model is not None and name in model.__dict__:
+                delattr(model, name)
+    wrapped.clear()
+    gc.collect()
+
+
 class RawDDPEngine(TorchEngine):
     name = "ddp"
 
@@ -117,20 +132,7 @@ class RawDDPEngine(TorchEngine):
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
-            self._release_wrapped_models()
-
-    def _release_wrapped_models(self):
-        """Drop what ties each DDP-wrapped model to the destroyed group (its reducer, logger and group), so
-        the group's gloo threads stop now, while the interpreter is alive. Left to interpreter exit, they
-        abort the process about one run in 70 ("terminate called without an active exception", a known
-        PyTorch teardown race). The unwrapped model stays usable; the DDP wrapper cannot train any more."""
-        for ref in self._wrapped:
-            model = ref()
-            for name in ("logger", "reducer", "process_group"):
-                if model is not None and name in model.__dict__:
-                    delattr(model, name)
-        self._wrapped.clear()
-        gc.collect()
+            release_ddp_wrappers(self._wrapped)
 
     def _all_gather(self, tensor):
         tensor = tensor.contiguous()
