@@ -2,10 +2,15 @@
 grayscale, RGBA, palette and odd-sized files, tests/image_folders.py) under python, 2 accelerate ranks and 2
 ddp ranks, on the same images as parquet, resumed mid-epoch, and refusing broken folders in one sentence."""
 
+import signal
+import subprocess
+import time
+
 import pytest
 import safetensors.torch
 import torch
-from conftest import ACCELERATE, CONFIGS, PY, ROOT, TORCHRUN, final_weights, max_weight_diff, read_json, run
+from conftest import (ACCELERATE, CONFIGS, PY, ROOT, TORCHRUN, clean_env, final_weights, kill_groups, max_weight_diff,
+                      read_json, run)
 from image_folders import CLASSES, write_digit_folders, write_digit_parquet
 
 from toolkit.train.checkpoint import latest_checkpoint
@@ -164,3 +169,24 @@ def test_streaming_shards_count_every_val_image_once_and_an_epoch_resumes_where_
     tail = list(resumed)
     assert len(epoch) == 4 and len(tail) == 2
     assert all(torch.equal(a, b) and torch.equal(ya, yb) for (a, ya), (b, yb) in zip(epoch[2:], tail))
+
+
+def test_sigterm_to_the_launcher_stops_loader_workers_quietly_and_saves(folder, tmp_path):
+    """A scheduler's SIGTERM to `accelerate launch`: torchrun passes it to each rank's process group, the
+    DataLoader workers included. They leave the stop to their rank, which saves its step and exits; a
+    worker killed by it made its rank raise "DataLoader worker ... is killed by signal" (a traceback each)."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([str(c) for c in ACCELERATE + ["--config_file", CONFIGS / "cpu.yaml", IMAGES,
+                             "--data-dir", folder, *FAST, "--output-dir", out]], cwd=ROOT, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while '"step": 3,' not in ((out / "metrics.jsonl").read_text() if (out / "metrics.jsonl").exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)  # the launcher alone, as `timeout` or a scheduler sends it
+        output = proc.communicate(timeout=90)[0]
+    finally:
+        kill_groups([proc])
+    assert "Traceback" not in output and "interrupted at step" in output, output[-3000:]
+    assert latest_checkpoint(out / "checkpoints") is not None

@@ -365,5 +365,15 @@ def build_torch_loader(images: torch.Tensor, labels: torch.Tensor, batch_size: i
     return torch.utils.data.DataLoader(
         TensorImageDataset(images, labels, transform, seed), batch_size=batch_size, shuffle=train,
         drop_last=train, num_workers=num_workers, generator=torch.Generator().manual_seed(seed),
-        persistent_workers=num_workers > 0,
+        persistent_workers=num_workers > 0, worker_init_fn=leave_stops_to_the_trainer,
     )
+
+
+def leave_stops_to_the_trainer(_worker_id: int):
+    """DataLoader workers ignore Ctrl-C and SIGTERM. Both reach the whole process group, loader workers too;
+    a worker killed by one made the training process raise "DataLoader worker ... is killed by signal" (a
+    traceback) instead of finishing its step and saving a checkpoint. The training process stops them."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
