@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 from toolkit.launch import rendezvous
 from toolkit.engines import ENGINES
@@ -222,7 +223,7 @@ def run_plan(plan: LaunchPlan) -> int:
     """Run the plan, restarting a failed one-process run `plan.restarts` times (the child sees
     TORCHELASTIC_RESTART_COUNT, as under torchrun, and resumes from its latest checkpoint)."""
     if plan.agent_here:
-        return _run_agent_here(plan)
+        _run_agent_here(plan)
     for attempt in range(plan.restarts + 1):
         code = _run_once(plan, {"TORCHELASTIC_RESTART_COUNT": str(attempt)} if plan.restarts else {})
         if code in NOT_RESTARTED or attempt == plan.restarts:
@@ -243,7 +244,7 @@ def quiet_command(command: list[str]) -> list[str]:
     return command
 
 
-def _run_agent_here(plan: LaunchPlan) -> int:
+def _run_agent_here(plan: LaunchPlan) -> NoReturn:
     """torchrun's agent (accelerate's launcher runs it too) in this process, as toolkit.launch.quiet runs it:
     the workers are this process's children, and no second interpreter imports torch again (~2.5 s).
     Nothing is left to clean up once they are gone, so the process then ends without tearing down the
