@@ -329,7 +329,7 @@ def test_sigkill_mid_save_leaves_a_loadable_latest(tmp_path):
         server.wait()
 
 
-@pytest.mark.parametrize("name", ["optimizer.pt", "rng.pt"])
+@pytest.mark.parametrize("name", ["optimizer.bin", "random_states_0.pkl"])
 def test_malicious_pickle_is_refused(tmp_path, name):
     model, optimizer, _ = make_training()
     path = save_checkpoint(tmp_path / "ckpt", 1, model=model, optimizer=optimizer)
@@ -365,7 +365,7 @@ class Warmup:  # a callable lr_lambda: LambdaLR saves its __dict__, config objec
 def test_state_that_could_not_be_loaded_safely_is_refused_at_save_time(tmp_path):
     model, optimizer, _ = make_training()
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, Warmup())
-    with pytest.raises(UserError, match="scheduler.pt"):
+    with pytest.raises(UserError, match="scheduler.bin"):
         save_checkpoint(tmp_path, 1, model=model, optimizer=optimizer, scheduler=scheduler)
     assert list(tmp_path.iterdir()) == []  # no checkpoint, no pointer, no temp folder
 

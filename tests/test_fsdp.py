@@ -185,7 +185,7 @@ def test_sharded_checkpoints_hold_each_ranks_shards_and_nothing_gathered(sharded
     manifest = read_json(at4 / "manifest.json")
     assert (manifest["checkpoint_format"], manifest["world_size"], manifest["step"]) == ("sharded", 2, 4)
     assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= manifest["files"].keys()
-    assert not {"model.safetensors", "optimizer.pt"} & manifest["files"].keys()
+    assert not {"model.safetensors", "optimizer.bin"} & manifest["files"].keys()
     index = read_index(at4).state_dict_metadata  # each parameter and its momentum in two pieces, one per rank
     assert {len(index["model.0.weight"].chunks), len(index["optim.state.0.weight.momentum_buffer"].chunks)} == {2}
     assert not [p for p in at4.parent.iterdir() if p.name.startswith(".")]  # no temp folder left behind
@@ -204,11 +204,11 @@ def test_sharded_checkpoint_resumes_at_another_world_size_and_consolidates_to_th
     # dropping the optimizer shards on resume moved the losses by 1.7e-2.
     assert max(abs(got[s] - ref[s]) for s in got) <= TIGHT
     full = fsdp_run / "checkpoints" / "step-00000012"
-    reference, reference_optimizer = final_weights(fsdp_run, 12), torch.load(full / "optimizer.pt", weights_only=True)
+    reference, reference_optimizer = final_weights(fsdp_run, 12), torch.load(full / "optimizer.bin", weights_only=True)
     for name, tolerance in [("two", 0.0), ("one", TIGHT)]:
         step12 = consolidated(sharded_runs / name, tmp_path / name) / "step-00000012"
         assert max_weight_diff(reference, safetensors.torch.load_file(step12 / "model.safetensors")) <= tolerance, name
-        optimizer = torch.load(step12 / "optimizer.pt", weights_only=True)
+        optimizer = torch.load(step12 / "optimizer.bin", weights_only=True)
         assert optimizer["param_groups"] == reference_optimizer["param_groups"]
         assert max((optimizer["state"][k]["momentum_buffer"] - v["momentum_buffer"]).abs().max().item()
                    for k, v in reference_optimizer["state"].items()) <= tolerance, name

@@ -269,7 +269,7 @@ def written(path, text):
 
 def _pickled_optimizer(target):
     def edit(path):
-        with open(path / "optimizer.pt", "wb") as f:
+        with open(path / "optimizer.bin", "wb") as f:
             pickle.dump({"state": CreatesFileOnLoad(target)}, f)
     return edit
 
@@ -305,7 +305,7 @@ HOSTILE = {  # name -> (make the file given tmp_path, how it is read given the f
         "state.json is unreadable"),
     "state.json that is a list": (
         lambda t: hostile_checkpoint(t, lambda p: (p / "state.json").write_text("[1, 2]")), "load", "not an object"),
-    "optimizer.pt pickling a call": (
+    "optimizer.bin pickling a call": (
         lambda t: hostile_checkpoint(t, _pickled_optimizer(t / "ran")), "load", "Refusing to load"),
     # A resume reads state.json's keys: a file without them (hand-edited, another tool's) is named with the key.
     "state.json without step": (lambda t: hostile_checkpoint(t, _state_edit(lambda s: s.pop("step"))), "resume",
@@ -319,8 +319,8 @@ HOSTILE = {  # name -> (make the file given tmp_path, how it is read given the f
     "state.json that is not JSON, resumed": (
         lambda t: hostile_checkpoint(t, lambda p: (p / "state.json").write_text("{not json")), "resume",
         "state.json is unreadable"),
-    "rng.pt without RNG states": (lambda t: hostile_checkpoint(t, _rng_edit({"ranks": [{"python": 1}]})), "load",
-                                  "rng.pt does not hold RNG states"),
+    "random_states_0.pkl without RNG states": (lambda t: hostile_checkpoint(t, _rng_edit({"random_state": 1})),
+                                               "load", "its RNG file does not hold RNG states"),
 }
 
 
@@ -338,7 +338,7 @@ def _rng_edit(saved):
     def edit(path):
         import torch
 
-        torch.save(saved, path / "rng.pt")
+        torch.save(saved, path / "random_states_0.pkl")
     return edit
 
 

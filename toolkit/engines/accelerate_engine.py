@@ -23,6 +23,7 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, se
 from toolkit import errors
 from toolkit.engines.base import cpu_requested
 from toolkit.engines.ddp import DEFAULT_TIMEOUT_S, attempt_store, nccl_error_handling, release_ddp_wrappers
+from toolkit.engines.accelerate_state import load_state_verified, save_state_atomically
 from toolkit.engines.prepared import has_gradients
 from toolkit.errors import UserError
 from toolkit.check.capture import build_recorder
@@ -87,8 +88,9 @@ class AccelerateEngine:
             nccl_error_handling()
         if kwargs.get("mixed_precision") == "fp16" and (kwargs.get("cpu") or not torch.cuda.is_available()):
             raise UserError("fp16 mixed precision needs a CUDA device; use bf16 (or no) on CPU.")
-        # Seeded sampling makes the data order a function of (seed, epoch), the same as the other engines.
-        kwargs.setdefault("dataloader_config", DataLoaderConfiguration(use_seedable_sampler=True, data_seed=0))
+        # Seeded sampling makes the data order a function of (seed, epoch), the same as the other engines:
+        # set_seed's seed, else torch's initial seed when the loader is prepared.
+        kwargs.setdefault("dataloader_config", DataLoaderConfiguration(use_seedable_sampler=True))
         if timeout is not None:
             handlers = list(kwargs.pop("kwargs_handlers", None) or [])
             handlers.append(InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout)))
@@ -131,6 +133,17 @@ class AccelerateEngine:
     def backward(self, loss, **kwargs):
         self._recorder.backward(loss)
         self.accelerator.backward(loss, **kwargs)
+
+    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None):
+        self.accelerator.init_trackers(project_name, config=config, init_kwargs=init_kwargs or {})
+
+    def save_state(self, output_dir=None, safe_serialization: bool = True, **save_model_func_kwargs):
+        """Accelerate's own save_state, published atomically with the toolkit's state.json and manifest.json."""
+        return save_state_atomically(self, output_dir, safe_serialization, **save_model_func_kwargs)
+
+    def load_state(self, input_dir=None, load_kwargs=None, **load_model_func_kwargs):
+        """Accelerate's own load_state, after checking the folder against its manifest when it has one."""
+        return load_state_verified(self, input_dir, load_kwargs, **load_model_func_kwargs)
 
     def end_training(self):
         self.accelerator.end_training()  # destroys the process group

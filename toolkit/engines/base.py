@@ -1,10 +1,12 @@
-"""The engine contract, and the machinery the three plain-PyTorch engines share.
+"""The engine contract, and the machinery the plain-PyTorch engines share.
 
-An engine is the part of `accelerate.Accelerator`'s API that recipes use, with the same names and
-meanings. `AccelerateEngine` hands every call to a real Accelerator; `SingleEngine`, `DataParallelEngine`
-and `RawDDPEngine` build on `TorchEngine` below and differ only in how they form the world, wrap a
-model and talk to other ranks. Where an engine has nothing to do (a barrier with one process), the
-method is a no-op, so recipes never ask which engine they are on.
+An engine is `accelerate.Accelerator`'s public API, with the same names and meanings, declared below as the
+`AcceleratorAPI` protocol. `AccelerateEngine` hands every call to a real Accelerator; `SingleEngine`,
+`DataParallelEngine`, `RawDDPEngine` and `FSDPEngine` build on `TorchEngine` below and differ only in how they
+form the world, wrap a model and talk to other ranks. Where an engine has nothing to do (a barrier with one
+process), the method is a no-op, so scripts never ask which engine they are on. Checkpoints
+(engines/checkpointing.py), process-level calls (engines/processes.py) and trackers (engines/tracking.py) are
+mixed in from their own modules.
 """
 
 from __future__ import annotations
@@ -12,18 +14,93 @@ from __future__ import annotations
 import contextlib
 import functools
 import random
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch.utils.data import DataLoader
 
-from toolkit import errors
 from toolkit.errors import UserError
 from toolkit.launch.env import LaunchEnv
 from toolkit.check.capture import build_recorder
+from toolkit.engines.checkpointing import CheckpointingMixin, ProjectConfiguration
+from toolkit.engines.processes import ProcessesMixin
 from toolkit.engines.prepared import (PreparedDataLoader, PreparedOptimizer, PreparedScheduler, has_gradients,
                                       map_tensors)
 
 MIXED_PRECISION = ("no", "fp16", "bf16")
+
+
+@runtime_checkable
+class AcceleratorAPI(Protocol):
+    """What every engine offers: the public Accelerator API that Accelerate's examples use (docs/engines.md
+    lists each call and what it means per engine). tests/test_engine_api.py checks every engine against it."""
+
+    # the world and the device
+    device: torch.device
+    process_index: int
+    local_process_index: int
+    num_processes: int
+    is_main_process: bool
+    is_local_main_process: bool
+    is_last_process: bool
+    use_distributed: bool
+    distributed_type: str
+    mixed_precision: str
+    # the training step
+    step: int
+    sync_gradients: bool
+    gradient_accumulation_steps: int
+    optimizer_step_was_skipped: bool
+    project_dir: str | None
+    logging_dir: str | None
+    save_iteration: int
+
+    def prepare(self, *objects): ...
+    def unwrap_model(self, model, keep_fp32_wrapper: bool = True): ...
+    def accumulate(self, *models): ...
+    def no_sync(self, model): ...
+    def trigger_sync_in_backward(self, model): ...
+    def backward(self, loss, **kwargs): ...
+    def autocast(self, autocast_handler=None): ...
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2): ...
+    def clip_grad_value_(self, parameters, clip_value): ...
+    def unscale_gradients(self, optimizer=None): ...
+    def skip_first_batches(self, dataloader, num_batches: int = 0): ...
+    # collectives
+    def gather(self, tensor): ...
+    def gather_for_metrics(self, input_data, use_gather_object: bool = False): ...
+    def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0): ...
+    def pad_across_processes(self, tensor, dim: int = 0, pad_index=0, pad_first: bool = False): ...
+    def split_between_processes(self, inputs, apply_padding: bool = False): ...
+    def wait_for_everyone(self): ...
+    def set_trigger(self): ...
+    def check_trigger(self) -> bool: ...
+    # which process runs
+    def main_process_first(self): ...
+    def local_main_process_first(self): ...
+    def on_main_process(self, function): ...
+    def on_local_main_process(self, function): ...
+    def on_last_process(self, function): ...
+    def on_process(self, function=None, process_index=None): ...
+    def on_local_process(self, function=None, local_process_index=None): ...
+    def print(self, *args, **kwargs): ...
+    # state
+    def get_state_dict(self, model, unwrap: bool = True): ...
+    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True): ...
+    def save(self, obj, f, safe_serialization: bool = False): ...
+    def save_state(self, output_dir=None, safe_serialization: bool = True, **save_model_func_kwargs): ...
+    def load_state(self, input_dir=None, load_kwargs=None, **load_model_func_kwargs): ...
+    def register_for_checkpointing(self, *objects): ...
+    def register_save_state_pre_hook(self, hook): ...
+    def register_load_state_pre_hook(self, hook): ...
+    # tracking, memory, time
+    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None): ...
+    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None): ...
+    def get_tracker(self, name: str, unwrap: bool = False): ...
+    def end_training(self): ...
+    def free_memory(self, *objects): ...
+    def clear(self, *objects): ...
+    def profile(self, profile_handler=None): ...
 
 
 def cpu_requested(cpu: bool = False) -> bool:
@@ -33,6 +110,11 @@ def cpu_requested(cpu: bool = False) -> bool:
 
     flag = os.environ.get("ACCELERATE_USE_CPU", "").strip().lower() in ("1", "true", "yes", "y", "on")
     return cpu or flag or not torch.cuda.is_available()
+
+
+def amp_dtype(mixed_precision: str):
+    """The autocast dtype of a mixed-precision setting (None for "no")."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
 
 
 def _autocast_forward(forward, device_type, dtype):
@@ -47,46 +129,96 @@ def _autocast_forward(forward, device_type, dtype):
     return wrapped
 
 
-class TorchEngine:
+# Accelerator(...) settings a plain-PyTorch engine cannot honour: refused (with a non-default value) in one sentence.
+_ACCELERATE_ONLY = ("deepspeed_plugin", "deepspeed_plugins", "fsdp_plugin", "torch_tp_plugin", "megatron_lm_plugin",
+                    "dynamo_plugin", "parallelism_config")
+_HANDLERS = ("DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs", "ProfileKwargs",
+             "AutocastKwargs")
+
+
+class TorchEngine(CheckpointingMixin, ProcessesMixin):
     """Shared body of the plain-PyTorch engines. Subclasses set `name` and override the hooks
-    `_wrap_model`, `_no_sync`, `_all_gather`, `_all_reduce`, `wait_for_everyone`, `end_training`."""
+    `_wrap_model`, `_no_sync`, `_trigger_sync`, `_all_gather`, `_all_reduce`, `_gather_objects`,
+    `wait_for_everyone`, `end_training`."""
 
     name = "torch"
 
-    def __init__(
-        self,
-        env: LaunchEnv,
-        *,
-        mixed_precision: str | None = None,
-        gradient_accumulation_steps: int = 1,
-        split_batches: bool = False,
-        step_scheduler_with_optimizer: bool = True,
-        cpu: bool = False,
-        timeout: float | None = None,  # seconds a collective waits; only engines with peers use it
-    ):
+    def __init__(self, env: LaunchEnv, *, mixed_precision: str | None = None, gradient_accumulation_steps: int = 1,
+                 split_batches: bool = False, step_scheduler_with_optimizer: bool = True, cpu: bool = False,
+                 timeout: float | None = None,  # seconds a collective waits; only engines with peers use it
+                 device_placement: bool = True, dataloader_config=None, log_with=None, project_dir=None,
+                 project_config=None, gradient_accumulation_plugin=None, kwargs_handlers=None, rng_types=None,
+                 dynamo_backend=None, **accelerate_only):
+        self._refuse_accelerate_only(accelerate_only, dynamo_backend)
         mixed_precision = (mixed_precision or env.mixed_precision or "no").lower()
         if mixed_precision not in MIXED_PRECISION:
             raise UserError(f"mixed_precision must be one of {', '.join(MIXED_PRECISION)}, not {mixed_precision!r}.")
-        if int(gradient_accumulation_steps) < 1:
-            raise UserError(f"gradient_accumulation_steps must be at least 1, not {gradient_accumulation_steps}.")
+        plugin = gradient_accumulation_plugin
+        steps = int(plugin.num_steps if plugin is not None else gradient_accumulation_steps)
+        if steps < 1:
+            raise UserError(f"gradient_accumulation_steps must be at least 1, not {steps}.")
         self.env = env
         self.mixed_precision = mixed_precision
-        self.gradient_accumulation_steps = int(gradient_accumulation_steps)
-        self.split_batches = split_batches
+        self.gradient_accumulation_steps = steps
+        self.sync_with_dataloader = getattr(plugin, "sync_with_dataloader", True)
+        self.sync_each_batch = getattr(plugin, "sync_each_batch", False)
+        self.dataloader_config = dataloader_config
+        self.split_batches = bool(getattr(dataloader_config, "split_batches", split_batches))
+        self.data_seed = getattr(dataloader_config, "data_seed", None)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.device_placement = device_placement
         self.use_cpu = cpu_requested(cpu)
-        self.seed = 0
+        self._read_handlers(kwargs_handlers or [], timeout)
+        self.seed = None  # set_seed's; None: the data order follows torch's initial seed, as Accelerate's sampler
         self.sync_gradients = True
         self.end_of_dataloader = False
-        self._step = 0
+        self.step = 0  # accumulate() calls since the last optimizer step boundary (Accelerate's counter)
         self.skipped_steps = 0  # optimizer steps not applied: fp16 overflow, or no backward at all
-        self._optimizers: list[PreparedOptimizer] = []
+        self.flag_tensor = None
+        self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
+        self._custom_objects = []
+        self._save_state_pre_hooks, self._load_state_pre_hooks = {}, {}
         self._active_loader: PreparedDataLoader | None = None
+        self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
+        if project_dir is not None and project_config is not None:
+            self.project_configuration.project_dir = project_dir
+        self.log_with, self.trackers = log_with, []
         self.device = self._select_device()
         if mixed_precision == "fp16" and self.device.type != "cuda":
             raise UserError("fp16 mixed precision needs a CUDA device; use bf16 (or no) on CPU.")
-        self.scaler = torch.amp.GradScaler("cuda") if mixed_precision == "fp16" else None
+        self.scaler = torch.amp.GradScaler("cuda", **self._scaler_kwargs) if mixed_precision == "fp16" else None
         self._recorder = build_recorder(self)  # `toolkit parity` only; otherwise its hooks do nothing
+
+    def _refuse_accelerate_only(self, settings: dict, dynamo_backend):
+        unknown = [k for k in settings if k not in _ACCELERATE_ONLY]
+        if unknown:
+            raise TypeError(f"Accelerator() got unexpected keyword argument(s) {', '.join(unknown)}")
+        given = [k for k, v in settings.items() if v is not None]
+        if dynamo_backend not in (None, "no", "NO"):
+            given.append("dynamo_backend")
+        if given:
+            raise UserError(f"the {self.name} engine cannot honour Accelerator({', '.join(given)}=...); use the "
+                            f"accelerate engine (--engine accelerate) for it, or torch.compile the model yourself.")
+
+    def _read_handlers(self, handlers, timeout):
+        """Accelerate's kwargs handlers, read by class name (this engine does not import accelerate)."""
+        self.ddp_handler, self.profile_handler, self._scaler_kwargs, self._autocast_kwargs = None, None, {}, {}
+        self.timeout = timeout
+        for handler in handlers:
+            kind = type(handler).__name__
+            if kind not in _HANDLERS:
+                raise UserError(f"the {self.name} engine does not take {kind} in kwargs_handlers (it takes "
+                                f"{', '.join(_HANDLERS)}); use the accelerate engine (--engine accelerate) for it.")
+            if kind == "DistributedDataParallelKwargs":
+                self.ddp_handler = handler
+            elif kind == "ProfileKwargs":
+                self.profile_handler = handler
+            elif kind == "GradScalerKwargs":
+                self._scaler_kwargs = handler.to_kwargs()
+            elif kind == "AutocastKwargs":
+                self._autocast_kwargs = handler.to_kwargs()
+            elif timeout is None and getattr(handler, "timeout", None) is not None:  # InitProcessGroupKwargs
+                self.timeout = handler.timeout.total_seconds()
 
     # -- world ---------------------------------------------------------------------------------------
     def _select_device(self) -> torch.device:
@@ -97,16 +229,19 @@ class TorchEngine:
     num_processes = property(lambda self: 1)
     is_main_process = property(lambda self: self.process_index == 0)
     is_local_main_process = property(lambda self: self.local_process_index == 0)
+    distributed_type = property(lambda self: "NO")  # Accelerate's DistributedType values (a str enum)
+    native_amp = property(lambda self: self.mixed_precision != "no")
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped (fp16 overflow): the learning rate should not change."""
+        return any(optimizer.step_was_skipped for optimizer in self._optimizers)
 
     def wait_for_everyone(self):
         pass
 
     def end_training(self):
-        pass
-
-    def main_process_first(self):
-        """The main process runs the block first; a failure on any rank ends every rank, said once."""
-        return errors.main_process_first(self)
+        self._finish_trackers()
 
     def print(self, *args, **kwargs):
         if self.is_local_main_process:
@@ -125,8 +260,17 @@ class TorchEngine:
         except ImportError:
             pass
 
+    def data_order_seed(self) -> int:
+        """The seed of every prepared loader's shuffle, the same on every rank: the dataloader_config's
+        data_seed, else set_seed's, else rank 0's torch initial seed (what Accelerate's seedable sampler takes)."""
+        if self.data_seed is not None:
+            return int(self.data_seed)
+        if self.seed is not None:
+            return self.seed
+        return int(self.gather(torch.tensor([torch.initial_seed() % 2**62], device=self.device))[0])
+
     # -- prepare -------------------------------------------------------------------------------------
-    def prepare(self, *objects):
+    def prepare(self, *objects, device_placement=None):
         """Prepare models, optimizers, data loaders and schedulers, in any order; returns them in order."""
         prepared = [self._prepare_one(obj) for obj in objects]
         self._recorder.prepared(prepared)
@@ -136,26 +280,45 @@ class TorchEngine:
         if isinstance(obj, torch.nn.Module):
             return self.prepare_model(obj)
         if isinstance(obj, torch.optim.Optimizer):
-            optimizer = obj if isinstance(obj, PreparedOptimizer) else PreparedOptimizer(obj, self)
-            self._optimizers.append(optimizer)
-            return optimizer
+            return self.prepare_optimizer(obj)
         if isinstance(obj, DataLoader):
-            return PreparedDataLoader(obj, self)
+            return self.prepare_data_loader(obj)
         if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
-            return PreparedScheduler(obj, self)
+            return self.prepare_scheduler(obj)
         return obj  # anything else (a custom loader, a config) passes through untouched
 
-    def prepare_model(self, model: torch.nn.Module):
+    def prepare_model(self, model: torch.nn.Module, device_placement=None, evaluation_mode: bool = False):
         model = self._wrap_model(model.to(self.device))
-        if self.mixed_precision != "no":
-            dtype = torch.bfloat16 if self.mixed_precision == "bf16" else torch.float16
+        dtype = amp_dtype(self.mixed_precision)
+        if dtype is not None:
             model.forward = _autocast_forward(model.forward, self.device.type, dtype)
+        self._models.append(model)
         return model
+
+    def prepare_optimizer(self, optimizer, device_placement=None):
+        optimizer = optimizer if isinstance(optimizer, PreparedOptimizer) else PreparedOptimizer(optimizer, self)
+        self._optimizers.append(optimizer)
+        return optimizer
+
+    def prepare_scheduler(self, scheduler):
+        scheduler = PreparedScheduler(scheduler, self)
+        self._schedulers.append(scheduler)
+        return scheduler
+
+    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        config = self.dataloader_config
+        if config is not None and (not getattr(config, "even_batches", True) or getattr(config, "dispatch_batches", None)
+                                   or getattr(config, "use_stateful_dataloader", False)):
+            raise UserError(f"the {self.name} engine shards every loader evenly on each rank (even_batches, no "
+                            f"dispatch_batches, no stateful loaders); use the accelerate engine for that dataloader_config.")
+        loader = PreparedDataLoader(data_loader, self)
+        self._dataloaders.append(loader)
+        return loader
 
     def _wrap_model(self, model):
         return model
 
-    def unwrap_model(self, model):
+    def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
         from toolkit.models.weights import unwrap_model
 
         return unwrap_model(model)
@@ -163,22 +326,32 @@ class TorchEngine:
     def get_state_dict(self, model, unwrap: bool = True):
         """Accelerate's name: the model's full state dict on the main process (a replicated model holds it
         whole on every rank; the fsdp engine gathers its shards). Call it on every rank."""
-        return (self.unwrap_model(model) if unwrap else model).state_dict()
+        return self.unwrap_model(model).state_dict()
+
+    def skip_first_batches(self, dataloader, num_batches: int = 0):
+        """The loader's current epoch without its first `num_batches` batches (they are not even loaded):
+        Accelerate's mid-epoch resume. The returned loader advances the same epoch counter."""
+        if not isinstance(dataloader, PreparedDataLoader):
+            raise UserError("skip_first_batches takes a data loader returned by accelerator.prepare.")
+        return dataloader.skipping(num_batches)
 
     # -- training step -------------------------------------------------------------------------------
     @contextlib.contextmanager
     def accumulate(self, *models):
         """Accumulate gradients over `gradient_accumulation_steps` calls; no gradient sync on the others."""
-        if self.end_of_dataloader:
-            self._step, self.sync_gradients = 0, True
-        else:
-            self._step += 1
-            self.sync_gradients = self._step % self.gradient_accumulation_steps == 0
+        self._do_sync()
         with contextlib.ExitStack() as stack:
             if not self.sync_gradients:
                 for model in models:
                     stack.enter_context(self._no_sync(model))
             yield
+
+    def _do_sync(self):
+        if self.sync_with_dataloader and self.end_of_dataloader:
+            self.step, self.sync_gradients = 0, True
+            return
+        self.step += 1
+        self.sync_gradients = self.sync_each_batch or self.step % self.gradient_accumulation_steps == 0
 
     @contextlib.contextmanager
     def no_sync(self, model):
@@ -188,6 +361,15 @@ class TorchEngine:
     def _no_sync(self, model):
         return contextlib.nullcontext()
 
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(self, model):
+        """Sync gradients in the next backward even if the forward ran under no_sync (Accelerate's call)."""
+        with self._trigger_sync(model):
+            yield
+
+    def _trigger_sync(self, model):
+        return contextlib.nullcontext()
+
     def backward(self, loss, **kwargs):
         self._recorder.backward(loss)
         loss = loss / self.gradient_accumulation_steps
@@ -195,18 +377,30 @@ class TorchEngine:
             loss = self.scaler.scale(loss)
         loss.backward(**kwargs)
 
-    def autocast(self):
-        if self.mixed_precision == "no":
+    def autocast(self, autocast_handler=None):
+        dtype = amp_dtype(self.mixed_precision)
+        if dtype is None:
             return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.mixed_precision == "bf16" else torch.float16
-        return torch.autocast(device_type=self.device.type, dtype=dtype)
+        settings = autocast_handler.to_kwargs() if autocast_handler is not None else self._autocast_kwargs
+        return torch.autocast(device_type=self.device.type, dtype=dtype, **settings)
+
+    def unscale_gradients(self, optimizer=None):
+        """Unscale fp16 gradients once before clipping; a no-op without a GradScaler."""
+        if self.scaler is None or not self.sync_gradients:
+            return
+        chosen = self._optimizers if optimizer is None else [optimizer]
+        for prepared in chosen:
+            inner = getattr(prepared, "optimizer", prepared)
+            if has_gradients(inner):  # no inf check to record without gradients
+                self.scaler.unscale_(inner)
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
-        if self.scaler is not None and self.sync_gradients:
-            for optimizer in self._optimizers:
-                if has_gradients(optimizer.optimizer):  # no inf check to record without gradients
-                    self.scaler.unscale_(optimizer.optimizer)
+        self.unscale_gradients()
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters, clip_value):
+        self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
     # -- collectives ---------------------------------------------------------------------------------
     def _all_gather(self, tensor):  # gather variable-length dim-0 tensors from every rank
@@ -215,19 +409,67 @@ class TorchEngine:
     def _all_reduce(self, tensor, op):
         return tensor
 
-    def gather(self, data):
-        return map_tensors(lambda t: self._all_gather(t if t.dim() else t.unsqueeze(0)), data)
+    def _gather_objects(self, objects: list) -> list:  # every rank's list, concatenated in rank order
+        return list(objects)
 
-    def gather_for_metrics(self, data):
+    def gather_object(self, objects: list) -> list:
+        return self._gather_objects(objects)
+
+    def gather(self, tensor):
+        return map_tensors(lambda t: self._all_gather(t if t.dim() else t.unsqueeze(0)), tensor)
+
+    def gather_for_metrics(self, input_data, use_gather_object: bool = False):
         """Gather per-sample results from every rank, dropping the samples the sampler repeated as padding."""
         loader = self._active_loader
+        data = input_data
         if loader is not None and loader.valid_in_batch is not None:
             size, valid = loader.valid_in_batch
             if valid < size:
                 data = map_tensors(lambda t: t[:valid] if t.dim() and t.shape[0] == size else t, data)
+        if use_gather_object or not _holds_tensors(data):
+            return self._gather_objects(list(data) if isinstance(data, (list, tuple)) else [data])
         return self.gather(data)
 
-    def reduce(self, data, reduction: str = "sum"):
+    def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
         if reduction not in ("sum", "mean"):
             raise ValueError(f"reduction must be 'sum' or 'mean', not {reduction!r}")
-        return map_tensors(lambda t: self._all_reduce(t.clone(), reduction), data)
+        return map_tensors(lambda t: self._all_reduce(t.clone() * scale if scale != 1.0 else t.clone(), reduction),
+                           tensor)
+
+    # -- tracking ------------------------------------------------------------------------------------
+    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None):
+        """Start the trackers named by log_with, on the main process only, with `config` as hyperparameters."""
+        if not self.is_main_process or not self.log_with:
+            return
+        from toolkit.engines.tracking import build_trackers
+
+        self.trackers = build_trackers(self.log_with, project_name, self.logging_dir, config, init_kwargs or {})
+
+    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None):
+        """Log `values` to every tracker (main process only)."""
+        for tracker in self.trackers:
+            tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
+
+    def get_tracker(self, name: str, unwrap: bool = False):
+        """The tracker called `name` (its underlying writer with unwrap=True); a no-op one where none runs."""
+        for tracker in self.trackers:
+            if tracker.name == name:
+                return tracker.tracker if unwrap else tracker
+        from toolkit.engines.tracking import NoTracker
+
+        return NoTracker()
+
+    def _finish_trackers(self):
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
+
+
+def _holds_tensors(data) -> bool:
+    if isinstance(data, torch.Tensor):
+        return True
+    if isinstance(data, (list, tuple)):
+        return bool(data) and all(_holds_tensors(d) for d in data)
+    if isinstance(data, dict):
+        return bool(data) and all(_holds_tensors(d) for d in data.values())
+    return False

@@ -62,9 +62,9 @@ def release_ddp_wrappers(wrapped: list):
 class RawDDPEngine(TorchEngine):
     name = "ddp"
 
-    def __init__(self, env, *, timeout: float | None = None, **kwargs):
+    def __init__(self, env, **kwargs):
         super().__init__(env, **kwargs)
-        timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+        timeout = DEFAULT_TIMEOUT_S if self.timeout is None else self.timeout  # or InitProcessGroupKwargs'
         self._owns_group = False
         self._wrapped = []  # weak references to the DDP modules this engine made
         if not dist.is_initialized():
@@ -108,6 +108,7 @@ class RawDDPEngine(TorchEngine):
     process_index = property(lambda self: self._rank)
     local_process_index = property(lambda self: self.env.local_rank)
     num_processes = property(lambda self: self._world)
+    distributed_type = property(lambda self: "MULTI_GPU" if self.device.type == "cuda" else "MULTI_CPU")
 
     def _wrap_model(self, model):
         if self._world == 1:
@@ -118,17 +119,37 @@ class RawDDPEngine(TorchEngine):
         kwargs = {"gradient_as_bucket_view": True}
         if self.device.type == "cuda":
             kwargs.update(device_ids=[self.device.index], output_device=self.device.index)
+        handler = self.ddp_handler  # the script's DistributedDataParallelKwargs, as Accelerate passes them on
+        if handler is not None:
+            kwargs.update({k: v for k, v in handler.to_kwargs().items() if not k.startswith("comm_")})
         wrapped = DistributedDataParallel(model, **kwargs)
+        if handler is not None and hasattr(handler, "register_comm_hook"):
+            handler.register_comm_hook(wrapped)
         self._wrapped.append(weakref.ref(wrapped))
         return wrapped
 
     def _no_sync(self, model):
         return model.no_sync() if isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
 
+    @contextlib.contextmanager
+    def _trigger_sync(self, model):
+        """Accelerate's trigger_sync_in_backward: the next backward all-reduces even after a no_sync forward."""
+        if not isinstance(model, DistributedDataParallel):
+            yield
+            return
+        backward, forward = model.require_backward_grad_sync, model.require_forward_param_sync
+        model.require_backward_grad_sync = model.require_forward_param_sync = True
+        model.reducer.prepare_for_backward([])
+        try:
+            yield
+        finally:
+            model.require_backward_grad_sync, model.require_forward_param_sync = backward, forward
+
     def wait_for_everyone(self):
         dist.barrier()
 
     def end_training(self):
+        self._finish_trackers()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
@@ -147,6 +168,11 @@ class RawDDPEngine(TorchEngine):
         pieces = [torch.empty_like(tensor) for _ in range(self._world)]
         dist.all_gather(pieces, tensor)
         return torch.cat([piece[:n] for piece, n in zip(pieces, sizes)])
+
+    def _gather_objects(self, objects: list) -> list:
+        gathered = [None] * self._world
+        dist.all_gather_object(gathered, objects)
+        return [obj for part in gathered for obj in part]
 
     def _all_reduce(self, tensor, op):
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)

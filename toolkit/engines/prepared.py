@@ -5,6 +5,8 @@ by rank, moves batches to the device and knows which samples of the last batch a
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
@@ -113,28 +115,34 @@ class PreparedScheduler:
 
 class PreparedDataLoader:
     """A DataLoader re-sharded with a DistributedSampler (set_epoch every epoch, automatically) that moves
-    batches to the device and knows which samples of each batch are sampler padding."""
+    batches to the device, knows which samples of each batch are sampler padding, and where it stands in its
+    epoch (saved by save_state, resumed with skip_first_batches)."""
 
-    def __init__(self, loader: DataLoader, engine):
+    def __init__(self, loader: DataLoader, engine, skip_batches: int = 0, parent=None):
         self.engine = engine
         self.epoch = 0
+        self.batches_seen = 0  # batches of the current epoch handed out so far
         self.dataset = loader.dataset
         self.batch_size = loader.batch_size
+        self.base_dataloader = loader
+        self.skip_batches = skip_batches
+        self.parent = parent  # a skip_first_batches view shares its parent's epoch counter
         self.sampler = None
         self.valid_in_batch = None
         if isinstance(loader.dataset, IterableDataset) or loader.batch_size is None:
             self.loader = loader  # nothing to re-shard: the user's dataset decides
             return
-        self.sampler = DistributedSampler(
+        self.sampler = parent.sampler if parent is not None else DistributedSampler(
             loader.dataset,
             num_replicas=engine.num_processes,
             rank=engine.process_index,
             shuffle=isinstance(loader.sampler, RandomSampler),
-            seed=engine.seed,
+            seed=engine.data_order_seed(),
         )
+        sampler = _SkipFirst(self.sampler, skip_batches * loader.batch_size) if skip_batches else self.sampler
         kwargs = dict(
             batch_size=loader.batch_size,
-            sampler=self.sampler,
+            sampler=sampler,
             num_workers=loader.num_workers,
             collate_fn=loader.collate_fn,
             pin_memory=loader.pin_memory,
@@ -152,15 +160,38 @@ class PreparedDataLoader:
     def __len__(self):
         return len(self.loader)
 
+    @property
+    def total_batch_size(self):
+        return self.batch_size * self.engine.num_processes
+
     def set_epoch(self, epoch: int):
-        self.epoch = epoch
+        self._owner().epoch = epoch
+
+    def _owner(self):
+        return self.parent if self.parent is not None else self
+
+    def position(self) -> dict:
+        """Where this loader stands: its epoch and the batches of it already handed out (state.json keeps it)."""
+        return {"epoch": self.epoch, "batches": self.batches_seen}
+
+    def set_position(self, position: dict):
+        """Continue in the saved epoch (same shuffle); skip_first_batches(loader, position["batches"]) skips
+        what was already trained on, as in Accelerate's mid-epoch resume."""
+        self.epoch, self.batches_seen = int(position.get("epoch", 0)), int(position.get("batches", 0))
+
+    def skipping(self, num_batches: int) -> "PreparedDataLoader":
+        if num_batches < 0:
+            raise ValueError(f"num_batches must be at least 0, not {num_batches}")
+        return PreparedDataLoader(self.base_dataloader, self.engine, skip_batches=num_batches, parent=self)
 
     def __iter__(self):
+        owner = self._owner()
         if self.sampler is not None:
-            self.sampler.set_epoch(self.epoch)
+            self.sampler.set_epoch(owner.epoch)
         if hasattr(self.dataset, "set_epoch"):  # a dataset that seeds per-epoch augmentation, as Accelerate allows
-            self.dataset.set_epoch(self.epoch)
-        engine, seen = self.engine, 0
+            self.dataset.set_epoch(owner.epoch)
+        engine, seen = self.engine, self.skip_batches * (self.batch_size or 0)
+        owner.batches_seen = self.skip_batches
         engine.end_of_dataloader = False
         iterator = iter(self.loader)
         try:
@@ -178,13 +209,28 @@ class PreparedDataLoader:
                 seen += size
             engine.end_of_dataloader = upcoming is None
             engine._active_loader = self
-            yield move_to(batch, engine.device)
+            owner.batches_seen += 1
+            yield move_to(batch, engine.device) if engine.device_placement else batch
             if upcoming is None:
                 break
             batch = upcoming
         engine._active_loader = None
         engine.end_of_dataloader = False
-        self.epoch += 1
+        owner.epoch += 1
+        owner.batches_seen = 0
+
+
+class _SkipFirst(torch.utils.data.Sampler):
+    """The sampler's indices without the first `count` (the samples of the batches a resume skips)."""
+
+    def __init__(self, sampler, count: int):
+        self.sampler, self.count = sampler, count
+
+    def __iter__(self):
+        return itertools.islice(iter(self.sampler), self.count, None)
+
+    def __len__(self):
+        return max(0, len(self.sampler) - self.count)
 
 
 def _batch_len(batch):

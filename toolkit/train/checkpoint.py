@@ -3,9 +3,10 @@
     save_checkpoint("runs/x/ckpt", step, model=model, optimizer=opt, state={"epoch": 2}, keep=3)
     state = load_checkpoint("runs/x/ckpt", model=model, optimizer=opt)  # resumes from latest
 
-Layout (one writer per root, normally rank 0): `root/step-00000123/` holds model.safetensors,
-optimizer.pt, scheduler.pt, scaler.pt, state.json, rng.pt and, written last, manifest.json
-(size and sha256 of each file); `root/latest` names the newest. A save is built in a hidden
+Layout (one writer per root, normally rank 0): `root/step-00000123/` is a folder in Accelerate's save_state
+layout (toolkit/engines/state_folder.py): model.safetensors, optimizer.bin, scheduler.bin, scaler.pt,
+random_states_<rank>.pkl, plus the toolkit's state.json and, written last, manifest.json (size and sha256 of
+each file), so `accelerator.load_state(folder)` reads it; `root/latest` names the newest. A save is built in a hidden
 `.tmp-*` sibling and renamed into place, so a killed writer never leaves a half-written
 `step-*` folder. Loading never unpickles code: safetensors, then `weights_only=True`. A sharded
 checkpoint (toolkit/train/sharded_checkpoint.py) holds each rank's shards in place of the two weight files.
@@ -15,8 +16,9 @@ import sys
 from pathlib import Path
 
 from toolkit.errors import UserError
-from toolkit.models.weights import load_model, load_pt as _load_pt
-from toolkit.train.checkpoint_files import (_current_rank, _finish_save, _publish, _read_state_file,
+from toolkit.engines.state_folder import RNG_FILE, load_safe, rng_file
+from toolkit.models.weights import load_model
+from toolkit.train.checkpoint_files import (STATE_FILES, _current_rank, _finish_save, _publish, _read_state_file,
                                             _resolve_checkpoint, _start_save, _write_contents, checkpoint_format,
                                             set_rng_state)
 # The folder format's public names, importable from here as before.
@@ -69,31 +71,52 @@ def load_checkpoint(path, *, model=None, optimizer=None, scheduler=None, scaler=
     for name, obj in zip(_STATEFUL, (optimizer, scheduler, scaler)):
         if obj is None or name == "optimizer" and sharded:
             continue
-        if name == "scaler" and not (path / "scaler.pt").is_file():
+        file = _state_file(path, name)
+        if name == "scaler" and not file.is_file():
             # A bf16 or CPU run saved no scaler: fp16 resumes with a fresh one, which calibrates its scale
             # within the first steps (an overflow skips a step and halves it).
             print(f"[toolkit] {path} has no fp16 loss scaler (saved without fp16): starting a fresh one.",
                   file=sys.stderr)
             continue
-        obj.load_state_dict(_load_pt(path / f"{name}.pt", map_location))
-    if restore_rng and (path / "rng.pt").is_file():
-        _restore_own_rng(_load_pt(path / "rng.pt", "cpu"), path)
+        obj.load_state_dict(load_safe(file, map_location))
+    if restore_rng:
+        _restore_own_rng(path)
     return _read_state_file(path)
 
 
-def _restore_own_rng(saved, path):
-    """Restore this rank's RNG state: rank r's entry of a per-rank list (older checkpoints hold one state)."""
+def _state_file(path, name):
+    """Accelerate's name (optimizer.bin); checkpoints written before the layout was Accelerate's used <name>.pt."""
+    file = path / STATE_FILES[name]
+    legacy = path / f"{name}.pt"
+    return legacy if not file.is_file() and legacy.is_file() else file
+
+
+def _restore_own_rng(path):
+    """Restore this rank's RNG streams: its random_states_<rank>.pkl (older checkpoints: rng.pt's list)."""
+    rank = _current_rank()
     try:
-        if "ranks" not in saved:
-            set_rng_state(saved)
+        if (path / rng_file(rank)).is_file():
+            set_rng_state(load_safe(path / rng_file(rank)))
             return
-        rank, states = _current_rank(), saved["ranks"]
-        if rank < len(states):
-            set_rng_state(states[rank])
-            return
-    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as error:  # a crafted or foreign rng.pt
-        raise UserError(f"Checkpoint {path} is corrupt: rng.pt does not hold RNG states ({type(error).__name__}: "
+        if (path / "rng.pt").is_file():  # written before the layout was Accelerate's
+            saved = load_safe(path / "rng.pt")
+            if rank < len(saved["ranks"]):
+                _set_legacy_rng(saved["ranks"][rank])
+                return
+        elif not any(RNG_FILE.fullmatch(p.name) for p in path.iterdir()):
+            return  # saved without RNG states
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as error:  # a crafted or foreign file
+        raise UserError(f"Checkpoint {path} is corrupt: its RNG file does not hold RNG states ({type(error).__name__}: "
                         f"{error}); resume with a fresh --output-dir or another checkpoint.") from None
     # the world grew since the save: this rank has no saved streams and keeps its seeded ones
-    print(f"[toolkit] {path} holds RNG states for {len(states)} rank(s); rank {rank} keeps its seeded RNG.",
-          file=sys.stderr)
+    print(f"[toolkit] {path} holds no RNG state for rank {rank}; it keeps its seeded RNG.", file=sys.stderr)
+
+
+def _set_legacy_rng(state):
+    import random
+
+    import torch
+
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"].cpu())

@@ -1,12 +1,9 @@
-"""The checkpoint folder format under checkpoint.py and sharded_checkpoint.py: a save built in a hidden
-`.tmp-*` sibling and renamed into place, the manifest (size and sha256 of each file), the `latest` pointer,
-pruning and leftovers of killed writers, state.json, and each rank's RNG streams.
+"""The checkpoint folder format under checkpoint.py and sharded_checkpoint.py: Accelerate's save_state layout
+(toolkit/engines/state_folder.py) named `step-N/` under a root, with a `latest` pointer, pruning and the
+leftovers of killed writers; a save is built in a hidden `.tmp-*` sibling and renamed into place.
 """
-import hashlib
 import json
 import os
-import pickle
-import random
 import re
 import shutil
 import sys
@@ -14,13 +11,11 @@ from pathlib import Path
 
 import torch
 
-try:
-    import numpy as np
-except ImportError:  # numpy is optional: its RNG state is then not saved
-    np = None
-
 from toolkit.errors import UserError
-from toolkit.models.weights import refusal_reason, save_model
+from toolkit.engines.state_folder import (fsync as _fsync, indexed, publish as _publish, rng_file, rng_state,
+                                          save_checked as _save_pt, seal, set_rng_state,  # noqa: F401
+                                          verify_folder as verify_checkpoint)
+from toolkit.models.weights import save_model
 
 
 _CHECKPOINT_NAME = re.compile(r"step-(\d+)")
@@ -28,40 +23,8 @@ _CHECKPOINT_NAME = re.compile(r"step-(\d+)")
 _LEFTOVER_NAME = re.compile(r"\.(?:tmp|old)-step-\d+-(\d+)")
 
 CHECKPOINT_FORMATS = ("full", "sharded")
-
-
-def rng_state():
-    """Return python, numpy, torch CPU and CUDA RNG states as plain types safe for weights_only.
-
-    >>> s = rng_state(); a = torch.rand(1); set_rng_state(s); assert torch.equal(a, torch.rand(1))
-    """
-    version, internal, gauss = random.getstate()
-    state = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state()}
-    if np is not None:
-        name, keys, pos, has_gauss, cached = np.random.get_state()
-        # weights_only refuses numpy arrays; int64 holds uint32 keys exactly.
-        keys = torch.from_numpy(keys.astype(np.int64))
-        state["numpy"] = [name, keys, int(pos), int(has_gauss), float(cached)]
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state):
-    """Restore RNG states captured by rng_state(); parts for absent libraries/devices are skipped.
-
-    >>> set_rng_state(rng_state())
-    """
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    torch.set_rng_state(state["torch"].cpu())
-    if np is not None and "numpy" in state:
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    if torch.cuda.is_available() and "cuda" in state:
-        # A resume on fewer GPUs restores the devices that exist.
-        for device, device_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(device_state.cpu(), device)
+# Accelerate's name of each stateful object's file (optimizer.bin, scheduler.bin, scaler.pt).
+STATE_FILES = {"optimizer": "optimizer.bin", "scheduler": "scheduler.bin", "scaler": "scaler.pt"}
 
 
 def gather_rng_states():
@@ -114,51 +77,16 @@ def _finish_save(root, final, keep):
 
 def _write_contents(folder, model, stateful, state, rng_states=None, checkpoint_format="full"):
     state_json = json.dumps(state, indent=2) + "\n"  # fails before gigabytes are written
-    rng = {"ranks": list(rng_states or [rng_state()])}
     if checkpoint_format == "full":  # sharded: every rank already wrote its shards into `folder`
-        save_model(model, folder / "model.safetensors")
+        save_model(model, folder / indexed("model", 0, "safetensors"))
     for name, obj in stateful.items():
         if obj is not None:
-            _save_pt(obj if isinstance(obj, dict) else obj.state_dict(), folder / f"{name}.pt")
-    _save_pt(rng, folder / "rng.pt")
+            _save_pt(obj if isinstance(obj, dict) else obj.state_dict(), folder / STATE_FILES[name])
+    for rank, rng in enumerate(rng_states or [rng_state(state["step"])]):
+        _save_pt(rng, folder / rng_file(rank))
     (folder / "state.json").write_text(state_json)
-    files = {}
-    for path in sorted(folder.iterdir()):
-        _fsync(path)
-        files[path.name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
     # Written last: a folder whose manifest is missing or disagrees was torn or damaged.
-    manifest = folder / "manifest.json"
-    about = {"format": 1, "checkpoint_format": checkpoint_format, "step": state["step"], "world_size": _world_size()}
-    manifest.write_text(json.dumps({**about, "files": files}, indent=2) + "\n")
-    _fsync(manifest)
-    _fsync(folder)
-
-
-def _save_pt(obj, path):
-    torch.save(obj, path)
-    # Fail now rather than at resume time if something (e.g. a scheduler holding a
-    # custom object) could not pass weights_only loading; mmap skips reading tensor data.
-    try:
-        torch.load(path, weights_only=True, mmap=True)
-    except pickle.UnpicklingError as error:
-        raise UserError(
-            f"{path.name} would hold objects other than tensors and plain containers, so it "
-            f"could not be loaded safely ({refusal_reason(error)}); keep its state_dict plain."
-        ) from error
-
-
-def _publish(temp, final):
-    # A re-save of the same step (after a resume) moves the old folder aside first, so a
-    # complete copy exists under some name at every moment.
-    aside = None
-    if final.exists():
-        aside = final.with_name(f".old-{final.name}-{os.getpid()}")
-        shutil.rmtree(aside, ignore_errors=True)
-        os.rename(final, aside)
-    os.rename(temp, final)
-    _fsync(final.parent)
-    if aside is not None:
-        shutil.rmtree(aside)
+    seal(folder, {"checkpoint_format": checkpoint_format, "step": state["step"], "world_size": _world_size()})
 
 
 def _write_pointer(root, name):
@@ -200,35 +128,6 @@ def _writer_alive(pid):
     except PermissionError:
         pass  # alive, owned by another user
     return True
-
-
-def verify_checkpoint(path):
-    """Raise UserError naming `path` unless every file in its manifest exists with the right size and sha256.
-
-    >>> verify_checkpoint("ckpt/step-00000100")
-    """
-    path = Path(path)
-    if not path.is_dir():
-        raise UserError(f"Checkpoint {path} does not exist.")
-    manifest = path / "manifest.json"
-    if not manifest.is_file():
-        raise UserError(f"Checkpoint {path} is incomplete: manifest.json is missing.")
-    try:
-        files = json.loads(manifest.read_text())["files"]
-        entries = [(name, int(meta["size"]), str(meta["sha256"])) for name, meta in files.items()]
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise UserError(f"Checkpoint {path} is corrupt: manifest.json is unreadable ({error}).")
-    for name, size, digest in entries:
-        if Path(name).name != name or name in ("", ".", ".."):  # a crafted manifest must not reach outside
-            raise UserError(f"Checkpoint {path} is corrupt: manifest.json names {name!r}, not a file of the checkpoint.")
-        file = path / name
-        if not file.is_file():
-            raise UserError(f"Checkpoint {path} is corrupt: {name} is missing.")
-        actual = file.stat().st_size
-        if actual != size:
-            raise UserError(f"Checkpoint {path} is corrupt: {name} has {actual} bytes, expected {size}.")
-        if _sha256(file) != digest:
-            raise UserError(f"Checkpoint {path} is corrupt: {name} fails its sha256 check.")
 
 
 def list_checkpoints(root):
@@ -325,17 +224,3 @@ def _resolve_checkpoint(path):
     if latest is None:
         raise UserError(f"No complete checkpoint found in {path}.")
     return latest
-
-
-def _sha256(path):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _fsync(path):
-    # On a folder this makes its entries (new names, renames) durable, not just file data.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

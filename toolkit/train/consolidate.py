@@ -8,16 +8,17 @@ and without a process group, into the full format that resumes under every engin
 from pathlib import Path
 
 from toolkit.errors import UserError
-from toolkit.models.weights import load_pt as _load_pt, save_model
+from toolkit.engines.state_folder import RNG_FILE, load_safe, rng_file
+from toolkit.models.weights import save_model
 from toolkit.train.checkpoint import save_checkpoint
-from toolkit.train.checkpoint_files import _resolve_checkpoint, checkpoint_format, read_state
+from toolkit.train.checkpoint_files import STATE_FILES, _resolve_checkpoint, checkpoint_format, read_state
 from toolkit.train.sharded_checkpoint import SafeEmptyPlanner, read_pieces
 
 
 def consolidate(path, out) -> Path:
     """Turn a sharded checkpoint (a step folder, or the latest under a root) into a full one, in one process
     without a process group: `out` ending in .safetensors gets the weights alone, any other `out` becomes a
-    checkpoints root holding `step-N/` in the full format (model.safetensors, optimizer.pt in torch's layout,
+    checkpoints root holding `step-N/` in the full format (model.safetensors, optimizer.bin in torch's layout,
     scheduler, RNG, state), which resumes under every engine at any world size.
 
     >>> consolidate("runs/x/checkpoints", "runs/x/full")
@@ -37,12 +38,13 @@ def _consolidate_verified(path, out):
         out.parent.mkdir(parents=True, exist_ok=True)
         save_model(weights, out)
         return out
-    stateful = {name: _load_pt(path / f"{name}.pt", "cpu") for name in ("scheduler", "scaler")
-                if (path / f"{name}.pt").is_file()}
-    rng = _load_pt(path / "rng.pt", "cpu")
+    stateful = {name: load_safe(path / STATE_FILES[name]) for name in ("scheduler", "scaler")
+                if (path / STATE_FILES[name]).is_file()}
+    ranks = sorted(int(m[1]) for p in path.iterdir() if (m := RNG_FILE.fullmatch(p.name)))
+    rng_states = [load_safe(path / rng_file(rank)) for rank in ranks]
     state = read_state(path)
     return save_checkpoint(out, int(state["step"]), model=weights, optimizer=_torch_layout(whole.get("optim")),
-                                state=state, rng_states=rng.get("ranks"), **stateful)
+                           state=state, rng_states=rng_states, **stateful)
 
 
 def _torch_layout(optimizer_state):

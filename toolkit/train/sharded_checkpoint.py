@@ -7,9 +7,9 @@ another engine) reads back the pieces it holds.
     load_checkpoint("runs/x/checkpoints/step-00000012", model=model, optimizer=opt)   # any world size
     consolidate("runs/x/checkpoints/step-00000012", "runs/x/full")    # toolkit/train/consolidate.py
 
-The step folder is checkpoint.py's, with DCP's files in place of model.safetensors and optimizer.pt:
-`.metadata` (the index of every tensor piece) and `__R_0.distcp` (rank R's pieces), next to scheduler.pt,
-rng.pt and state.json; manifest.json covers the shards too and says "checkpoint_format": "sharded" and the
+The step folder is checkpoint.py's, with DCP's files in place of model.safetensors and optimizer.bin:
+`.metadata` (the index of every tensor piece) and `__R_0.distcp` (rank R's pieces), next to scheduler.bin,
+random_states_<rank>.pkl and state.json; manifest.json covers the shards too and says "checkpoint_format": "sharded" and the
 world size. All ranks write into one hidden temp folder that rank 0 renames into place once every shard is
 written, so a sharded save is as atomic as a full one. That folder must be on storage all ranks see.
 
