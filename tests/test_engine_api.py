@@ -1,0 +1,166 @@
+"""Every engine offers Accelerate's public Accelerator API (the `AcceleratorAPI` protocol in engines/base.py),
+takes every keyword a script passes to Accelerate's own method, refuses what it cannot honour in one sentence
+naming the engine to use, and means what Accelerate means: checked in one process at world 1 for all five
+engines, and across 2 real ranks (tests/scripts/api_two_ranks.py) for what only shows with a peer.
+"""
+
+import inspect
+import json
+
+import pytest
+import torch
+from accelerate import Accelerator
+from conftest import PY, SCRIPTS, TORCHRUN, read_json, run
+from torch.utils.data import DataLoader, TensorDataset
+
+import toolkit
+from toolkit.engines.base import AcceleratorAPI
+from toolkit.errors import UserError
+from toolkit.launch.launcher import free_port
+
+ENGINES = ("single", "dp", "ddp", "fsdp", "accelerate")
+MEMBERS = [name for name in AcceleratorAPI.__dict__.get("__annotations__", {})] + [
+    name for name, value in vars(AcceleratorAPI).items() if callable(value) and not name.startswith("_")]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request):
+    accelerator = toolkit.build_accelerator(request.param, cpu=True)
+    yield accelerator
+    accelerator.end_training()
+
+
+def test_every_engine_satisfies_the_protocol(engine):
+    assert isinstance(engine, AcceleratorAPI)
+    missing = [name for name in MEMBERS if not hasattr(engine, name)]
+    assert not missing, f"{engine.name} lacks {missing}"
+
+
+def test_every_method_takes_the_keywords_accelerate_takes(engine):
+    for name in MEMBERS:
+        reference = getattr(Accelerator, name, None)
+        if not callable(reference) or isinstance(reference, property):
+            continue
+        ours = inspect.signature(getattr(engine, name)).parameters
+        if any(p.kind is p.VAR_KEYWORD for p in ours.values()):
+            continue
+        theirs = [p for p in inspect.signature(reference).parameters if p != "self"
+                  and inspect.signature(reference).parameters[p].kind not in (inspect.Parameter.VAR_POSITIONAL,
+                                                                              inspect.Parameter.VAR_KEYWORD)]
+        assert set(theirs) <= set(ours), f"{engine.name}.{name} lacks {set(theirs) - set(ours)}"
+
+
+def test_world_of_one_meanings(engine, tmp_path, capsys):
+    assert (engine.num_processes, engine.process_index, engine.is_last_process) == (1, 0, True)
+    assert engine.distributed_type in ("NO", "MULTI_CPU", "FSDP")
+    with engine.split_between_processes([1, 2, 3]) as share:
+        assert share == [1, 2, 3]
+    assert torch.equal(engine.pad_across_processes(torch.ones(2, 3), dim=1), torch.ones(2, 3))
+    assert engine.on_main_process(lambda: 7)() == 7 and engine.on_last_process(lambda: 8)() == 8
+    assert engine.check_trigger() is False
+    engine.set_trigger()
+    assert engine.check_trigger() is True and engine.check_trigger() is False  # reset once read
+    with engine.local_main_process_first():
+        pass
+    assert engine.optimizer_step_was_skipped is False
+
+
+def test_save_model_writes_full_weights_and_shards_above_the_limit(engine, tmp_path):
+    model = engine.prepare(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4)))
+    engine.save_model(model, tmp_path / "whole")
+    engine.save_model(model, tmp_path / "shards", max_shard_size="10KB")
+    import safetensors.torch
+
+    whole = safetensors.torch.load_file(tmp_path / "whole" / "model.safetensors")
+    index = json.loads((tmp_path / "shards" / "model.safetensors.index.json").read_text())
+    shards = {}
+    for file in set(index["weight_map"].values()):
+        shards.update(safetensors.torch.load_file(tmp_path / "shards" / file))
+    expected = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                for k, v in engine.unwrap_model(model).state_dict().items()}
+    assert whole.keys() == shards.keys() == expected.keys() and len(set(index["weight_map"].values())) > 1
+    assert all(torch.equal(whole[k], expected[k].cpu()) and torch.equal(shards[k], whole[k]) for k in whole)
+    engine.free_memory()
+
+
+def test_profile_writes_a_chrome_trace(engine, tmp_path):
+    from accelerate.utils import ProfileKwargs
+
+    with engine.profile(ProfileKwargs(activities=["cpu"], output_trace_dir=str(tmp_path))) as profiler:
+        torch.ones(64, 64) @ torch.ones(64, 64)
+    trace = json.loads((tmp_path / "profile_0.json").read_text())
+    assert any("mm" in event.get("name", "") for event in trace["traceEvents"])
+    assert "aten::mm" in profiler.key_averages().table()
+
+
+def test_free_memory_forgets_what_was_prepared(engine):
+    model = engine.prepare(torch.nn.Linear(2, 2))
+    released = engine.free_memory(model)
+    assert released == [None] and engine._models == [] and engine.step == 0
+
+
+@pytest.mark.parametrize("name", ["single", "ddp"])
+def test_settings_an_engine_cannot_honour_are_refused_in_one_sentence(name):
+    from accelerate.utils import DeepSpeedPlugin, TERecipeKwargs
+
+    with pytest.raises(UserError, match=f"the {name} engine cannot honour Accelerator\\(deepspeed_plugin=...\\); use "
+                                        "the accelerate engine") as caught:
+        toolkit.build_accelerator(name, cpu=True, deepspeed_plugin=DeepSpeedPlugin.__new__(DeepSpeedPlugin))
+    assert "\n" not in str(caught.value)
+    with pytest.raises(UserError, match="does not take TERecipeKwargs in kwargs_handlers.*accelerate engine"):
+        toolkit.build_accelerator(name, cpu=True, kwargs_handlers=[TERecipeKwargs.__new__(TERecipeKwargs)])
+    with pytest.raises(TypeError, match="unexpected keyword argument"):  # a typo is not a setting
+        toolkit.build_accelerator(name, cpu=True, gradient_acumulation_steps=2)
+
+
+def test_skip_first_batches_resumes_the_same_epoch_mid_way():
+    accelerator = toolkit.build_accelerator("single", cpu=True)
+    accelerator.set_seed(5)
+    loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(20)), batch_size=3, shuffle=True))
+    first = [x.tolist() for (x,) in loader]  # epoch 0
+    second = [x.tolist() for (x,) in loader]  # epoch 1: another order
+    assert first != second
+    loader.set_epoch(1)
+    assert [x.tolist() for (x,) in accelerator.skip_first_batches(loader, 4)] == second[4:]
+    assert loader.epoch == 2  # the skipping view advanced the same epoch counter
+
+
+# -- 2 ranks ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("api")
+    run(TORCHRUN + ["--master_port", free_port(), SCRIPTS / "api_two_ranks.py", out], timeout=240)
+    return {rank: read_json(out / f"rank{rank}.json") for rank in (0, 1)}
+
+
+def test_split_between_processes_gives_contiguous_shares_padded_on_request(two_ranks):
+    assert two_ranks[0]["split"] == [0, 1, 2] and two_ranks[1]["split"] == [3, 4]
+    assert two_ranks[1]["split_padded"] == [3, 4, 4] and two_ranks[1]["split_tensor"] == [3, 4, 4]
+    assert two_ranks[0]["split_dict"] == {"a": [0, 1, 2], "b": ["x", "y", "z"]}
+
+
+def test_pad_across_processes_pads_to_the_longest_rank(two_ranks):
+    assert two_ranks[0]["padded"] == [[1, 1, 0], [1, 1, 0]] and two_ranks[1]["padded"] == [[2, 2, 2], [2, 2, 2]]
+    assert two_ranks[0]["padded_first"] == [[0, 1, 1], [0, 1, 1]]
+
+
+def test_a_trigger_on_one_rank_is_seen_on_every_rank(two_ranks):
+    assert all(two_ranks[r]["trigger"] == [False, True, False] for r in (0, 1))
+
+
+def test_decorated_functions_run_only_where_asked(two_ranks):
+    assert two_ranks[0]["ran"] == ["main", "local_main"] and two_ranks[1]["ran"] == ["last", "process 1"]
+
+
+def test_gather_for_metrics_drops_the_samplers_repeats(two_ranks):
+    assert all(sorted(two_ranks[r]["eval"]) == list(range(9)) for r in (0, 1))
+    assert two_ranks[0]["gathered_objects"] == ["r0", "r1"]
+
+
+def test_main_process_first_orders_the_ranks(two_ranks):
+    assert two_ranks[0]["order"] < two_ranks[1]["order"]
+
+
+def test_save_state_from_two_ranks_holds_each_ranks_rng(two_ranks):
+    assert two_ranks[0]["rng_files"] == ["random_states_0.pkl", "random_states_1.pkl"]
+    assert all(two_ranks[r]["rng_restored"] for r in (0, 1))
