@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from toolkit.errors import UserError
-from toolkit.engines.state_folder import (fsync as _fsync, indexed, publish as _publish, rng_file, rng_state,
+from toolkit.engines.state_folder import (fsync as _fsync, indexed, is_accelerate_folder, publish as _publish, rng_file, rng_state,
                                           save_checked as _save_pt, seal, set_rng_state,  # noqa: F401
                                           verify_folder as verify_checkpoint)
 from toolkit.models.weights import save_model
@@ -181,6 +181,8 @@ def _read_pointer(root):
 
 
 def _read_state_file(path):
+    if not (path / "state.json").exists() and is_accelerate_folder(path):
+        return {}  # Accelerate's own save_state keeps no training position
     try:
         state = json.loads((path / "state.json").read_text())
     except (OSError, ValueError) as error:
@@ -197,7 +199,10 @@ def checkpoint_format(path) -> str:
     >>> checkpoint_format("runs/cifar/checkpoints/step-00000012")
     'sharded'
     """
-    kind = json.loads((Path(path) / "manifest.json").read_text()).get("checkpoint_format", "full")
+    manifest = Path(path) / "manifest.json"
+    if not manifest.is_file():  # Accelerate's own save_state folder: the full format, without a manifest
+        return "full"
+    kind = json.loads(manifest.read_text()).get("checkpoint_format", "full")
     if kind not in CHECKPOINT_FORMATS:
         raise UserError(f"Checkpoint {path} is corrupt: its manifest names checkpoint format {kind!r}, "
                         f"not one of {', '.join(CHECKPOINT_FORMATS)}.")
@@ -219,6 +224,8 @@ def _resolve_checkpoint(path):
         raise UserError(f"Checkpoint path {path} does not exist.")
     if (path / "manifest.json").exists() or _CHECKPOINT_NAME.fullmatch(path.name):
         verify_checkpoint(path)
+        return path
+    if is_accelerate_folder(path):  # Accelerate's own save_state wrote it: no manifest to verify it against
         return path
     latest = latest_checkpoint(path)  # already verified
     if latest is None:

@@ -92,7 +92,11 @@ class RunState:
         path = latest_checkpoint(self.checkpoints) if resume == "auto" else resume and Path(resume)
         if path is None:
             return
-        model, saved_model = self.config["model"], check_run_state(read_state(path), path)["config"]["model"]
+        saved = read_state(path)
+        if not saved or "config" not in saved and "samples_in_epoch" not in saved:
+            self._restore_accelerate_folder(path)
+            return
+        model, saved_model = self.config["model"], check_run_state(saved, path)["config"]["model"]
         if saved_model != model:  # checked before loading: other weights would not fit
             raise UserError(f"{path} holds a {saved_model} model, not {model}; pick another --output-dir.")
         state = load_checkpoint(path, model=accelerator.unwrap_model(self.model), optimizer=self.optimizer,
@@ -100,6 +104,26 @@ class RunState:
         accelerator.print(f"resumed from {path} (step {state['step']})")
         self.step, self.epoch, steps_done = resume_position(state, self.plan.global_batch, accelerator)
         self.batch = steps_done * self.plan.accumulation
+
+
+    def _restore_accelerate_folder(self, path):
+        """A folder `accelerator.save_state` wrote outside the recipes (no recipe position in it): its weights,
+        optimizer and schedule, with the position taken from the schedule's step count."""
+        accelerator = self.accelerator
+        has_schedule = (Path(path) / "scheduler.bin").is_file()
+        try:
+            load_checkpoint(path, model=accelerator.unwrap_model(self.model), optimizer=self.optimizer,
+                            scheduler=self.scheduler if has_schedule else None,
+                            scaler=getattr(accelerator, "scaler", None))
+        except ValueError as error:  # torch's optimizer/scheduler refusal: another optimizer's state
+            raise UserError(f"{path} holds an optimizer or scheduler state this recipe's cannot take ({error}); "
+                            f"resume from a checkpoint of this recipe or start in a fresh --output-dir.") from None
+        self.step = self.scheduler.last_epoch if has_schedule else 0
+        steps_per_epoch = self.micro_per_epoch // self.plan.accumulation
+        self.epoch, steps_done = divmod(self.step, steps_per_epoch)
+        self.batch = steps_done * self.plan.accumulation
+        accelerator.print(f"resumed from {path}, a save_state folder without the recipe's position: step {self.step} "
+                          f"(its schedule's count), epoch {self.epoch}")
 
 
 def agreed_restart_count(accelerator) -> int:
