@@ -164,3 +164,55 @@ def test_main_process_first_orders_the_ranks(two_ranks):
 def test_save_state_from_two_ranks_holds_each_ranks_rng(two_ranks):
     assert two_ranks[0]["rng_files"] == ["random_states_0.pkl", "random_states_1.pkl"]
     assert all(two_ranks[r]["rng_restored"] for r in (0, 1))
+
+
+class Counter:
+    """A registered object: save_state keeps its state_dict in custom_checkpoint_0.pkl."""
+
+    def __init__(self):
+        self.count = 0
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = state["count"]
+
+
+def test_save_state_restores_everything_and_load_state_verifies(engine, tmp_path):
+    torch.manual_seed(4)
+    net = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model, optimizer, scheduler = engine.prepare(net, optimizer, scheduler)
+    counter = Counter()
+    engine.register_for_checkpointing(counter)
+    for _ in range(3):
+        engine.backward(model(torch.randn(4, 3, device=engine.device)).square().mean())
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    counter.count = 3
+    engine.save_state(tmp_path / "state")
+    saved = {k: v.clone() for k, v in engine.get_state_dict(model).items()}
+    expected_rand, lr = torch.rand(2), optimizer.param_groups[0]["lr"]
+    for _ in range(2):  # move everything on, then come back
+        engine.backward(model(torch.randn(4, 3, device=engine.device)).square().mean())
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    counter.count = 99
+    engine.load_state(tmp_path / "state")
+    assert all(torch.equal(v, saved[k]) for k, v in engine.get_state_dict(model).items())
+    assert optimizer.param_groups[0]["lr"] == lr and scheduler.state_dict()["last_epoch"] == 3 * engine.num_processes
+    assert int(optimizer.state_dict()["state"][0]["step"]) == 3 and counter.count == 3
+    assert torch.equal(torch.rand(2), expected_rand)
+    (tmp_path / "state" / "optimizer.bin").write_bytes(b"torn")
+    with pytest.raises(UserError, match="optimizer.bin has 4 bytes"):
+        engine.load_state(tmp_path / "state")
+    (tmp_path / "state" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match=r"holds files that are not a checkpoint's \(notes.txt\)"):
+        engine.save_state(tmp_path / "state")
+    assert (tmp_path / "state" / "notes.txt").read_text() == "mine"
+    engine.free_memory()
+    engine._custom_objects.clear()
