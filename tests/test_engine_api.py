@@ -36,6 +36,21 @@ def test_every_engine_satisfies_the_protocol(engine):
     assert not missing, f"{engine.name} lacks {missing}"
 
 
+def test_no_accelerator_name_is_a_bare_attribute_error(engine):
+    """Every public name of Accelerate's Accelerator class (and its state objects) is there, or reading it is
+    one sentence naming the engine that has it."""
+    names = [n for n in dir(Accelerator) if not n.startswith("_")] + ["state", "gradient_state"]
+    for name in names:
+        try:
+            getattr(engine, name)
+        except UserError as error:
+            assert "use the accelerate engine" in str(error) and "\n" not in str(error)
+        except AttributeError as error:
+            pytest.fail(f"{engine.name}: {name}: {error}")
+        except Exception:  # noqa: BLE001 -- a real Accelerator's own property refusing (context parallelism)
+            assert engine.name == "accelerate", name
+
+
 def test_every_method_takes_the_keywords_accelerate_takes(engine):
     for name in MEMBERS:
         reference = getattr(Accelerator, name, None)

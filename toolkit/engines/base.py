@@ -132,6 +132,13 @@ def _autocast_forward(forward, device_type, dtype):
 # Accelerator(...) settings a plain-PyTorch engine cannot honour: refused (with a non-default value) in one sentence.
 _ACCELERATE_ONLY = ("deepspeed_plugin", "deepspeed_plugins", "fsdp_plugin", "torch_tp_plugin", "megatron_lm_plugin",
                     "dynamo_plugin", "parallelism_config")
+# Accelerator attributes that belong to features these engines do not run: reading one is refused in one
+# sentence (an AttributeError too, so hasattr() stays False), never a bare AttributeError.
+_ACCELERATE_ONLY_ATTRIBUTES = ("state", "gradient_state", "deepspeed_engine_wrapped", "deepspeed_config",
+                               "deepspeed_plugins", "fsdp_plugin", "megatron_lm_plugin", "torch_tp_plugin",
+                               "dynamo_plugin", "lomo_backward", "maybe_context_parallel",
+                               "deepspeed_ulysses_dl_adapter", "fp8_recipe_handler", "ao_recipe_handler",
+                               "te_recipe_handler", "has_fp8_handler", "autocast_handler", "scaler_handler")
 _HANDLERS = ("DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs", "ProfileKwargs",
              "AutocastKwargs")
 
@@ -231,6 +238,29 @@ class TorchEngine(CheckpointingMixin, ProcessesMixin):
     is_local_main_process = property(lambda self: self.local_process_index == 0)
     distributed_type = property(lambda self: "NO")  # Accelerate's DistributedType values (a str enum)
     native_amp = property(lambda self: self.mixed_precision != "no")
+    multi_device = property(lambda self: self.num_processes > 1)
+    should_save_model = property(lambda self: self.is_main_process)
+    is_fsdp2 = property(lambda self: self.name == "fsdp")
+    data_parallel_rank = data_parallel_shard_rank = property(lambda self: self.process_index)
+    # What Accelerate's settings read as here: one data-parallel dimension, even seeded loaders.
+    tensor_parallel_rank = pipeline_parallel_rank = context_parallel_rank = 0
+    even_batches, dispatch_batches, use_seedable_sampler, use_stateful_dataloader, non_blocking = True, False, True, False, False
+    parallelism_config = torch_device_mesh = deepspeed_plugin = fp8_backend = None
+    is_composable_parallelism_enabled = False
+
+    def __getattr__(self, name):
+        # Only reached for names not defined: an Accelerator attribute of a feature this engine does not run.
+        if name in _ACCELERATE_ONLY_ATTRIBUTES:
+            raise NotOnThisEngine(f"the {self.name} engine has no Accelerator.{name} (it belongs to a feature only "
+                                  f"Accelerate runs); use the accelerate engine (--engine accelerate) for it.")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def join_uneven_inputs(self, joinables, even_batches=None):
+        """A no-op: these engines' loaders always give every rank as many batches (sampler padding)."""
+        return contextlib.nullcontext()
+
+    def verify_device_map(self, model) -> bool:
+        return False  # no big-model device map: each engine places the whole model itself
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
@@ -463,6 +493,10 @@ class TorchEngine(CheckpointingMixin, ProcessesMixin):
         for tracker in self.trackers:
             tracker.finish()
         self.trackers = []
+
+
+class NotOnThisEngine(UserError, AttributeError):
+    """An Accelerator attribute the engine does not offer: one sentence naming the engine that does."""
 
 
 def _holds_tensors(data) -> bool:
