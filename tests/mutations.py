@@ -62,7 +62,44 @@ def _augment_from_global_rng(data):
     data.sample_rng = lambda seed, epoch, index: contextlib.nullcontext()  # the transforms draw from torch's RNG
 
 
-PARITY, FLAGS = "tests/test_parity.py", "tests/test_flags.py"
+def _save_state_skips_scheduler(checkpointing):
+    write = checkpointing.CheckpointingMixin._write_state
+
+    def without_schedulers(self, *args):
+        kept, self._schedulers = self._schedulers, []
+        try:
+            write(self, *args)
+        finally:
+            self._schedulers = kept
+
+    checkpointing.CheckpointingMixin._write_state = without_schedulers
+
+
+def _skip_one_batch_too_few(prepared):
+    skipping = prepared.PreparedDataLoader.skipping
+    prepared.PreparedDataLoader.skipping = lambda self, n: skipping(self, max(0, n - 1))
+
+
+def _sync_gradients_always(base):
+    do_sync = base.TorchEngine._do_sync
+
+    def always(self):
+        do_sync(self)
+        self.sync_gradients = True
+
+    base.TorchEngine._do_sync = always
+
+
+def _log_on_every_rank(base):
+    def init_trackers(self, project_name, config=None, init_kwargs=None):
+        from toolkit.engines.tracking import build_trackers
+
+        self.trackers = build_trackers(self.log_with, project_name, self.logging_dir, config, init_kwargs or {})
+
+    base.TorchEngine.init_trackers = init_trackers
+
+
+PARITY, FLAGS, API = "tests/test_parity.py", "tests/test_flags.py", "tests/test_engine_api.py"
 MUTATIONS = {
     "optimizer-step-noop": Mutation(
         "toolkit.engines.prepared", _optimizer_step_noop,
@@ -97,4 +134,20 @@ MUTATIONS = {
         "toolkit.train.records", _every_rank_writes,
         (f"{FLAGS}::test_only_the_main_process_writes",),
         "one writer: every rank appends to metrics.jsonl and steps.csv"),
+    "save-state-skips-scheduler": Mutation(
+        "toolkit.engines.checkpointing", _save_state_skips_scheduler,
+        (f"{API}::test_save_state_restores_everything_and_load_state_verifies[single]",),
+        "resume: save_state leaves the learning-rate schedule out of the folder"),
+    "skip-first-batches-one-too-few": Mutation(
+        "toolkit.engines.prepared", _skip_one_batch_too_few,
+        (f"{API}::test_skip_first_batches_resumes_the_same_epoch_mid_way",),
+        "mid-epoch resume: skip_first_batches trains one batch of the epoch twice"),
+    "sync-gradients-always-true": Mutation(
+        "toolkit.engines.base", _sync_gradients_always,
+        ("tests/test_contract.py::test_contract[single]",),
+        "accumulation: every micro-step syncs and steps the optimizer"),
+    "log-on-every-rank": Mutation(
+        "toolkit.engines.base", _log_on_every_rank,
+        (f"{FLAGS}::test_tensorboard_holds_every_step_loss_and_the_config_in_one_file_from_rank_0",),
+        "one writer: every rank starts the trackers and writes the same event files"),
 }

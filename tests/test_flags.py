@@ -24,7 +24,8 @@ RECORD_BN = SCRIPTS / "record_bn_stats.py"
 # Synthetic data (5000 train images) at global batch 256: 19 steps per epoch on any number of ranks. --max-steps 24 stops 5 steps into epoch 1; --eval-every 2 then evaluates once, at the last step.
 MAX_STEPS, STEPS_PER_EPOCH = 24, 5000 // 256
 FLAGS = ["--dataset", "synthetic", "--model", "tiny", "--epochs", 3, "--max-steps", MAX_STEPS, "--eval-every", 2,
-         "--global-batch-size", 256, "--loader", "torch", "--checkpoint-every", 4, "--keep", 100, "--engine", "ddp"]
+         "--global-batch-size", 256, "--loader", "torch", "--checkpoint-every", 4, "--keep", 100, "--engine", "ddp",
+         "--log-with", "tensorboard"]
 
 
 def rows(out, kind):
@@ -68,6 +69,23 @@ def test_only_the_main_process_writes(flags_run):
     assert all(line.startswith("rank=0 ") for line in written), [l for l in written if not l.startswith("rank=0 ")]
     saved = sorted(int(path.name.split("-")[1]) for path in list_checkpoints(out / "checkpoints"))
     assert saved == sorted({*range(4, MAX_STEPS + 1, 4), STEPS_PER_EPOCH}), saved  # every 4 and the epoch end
+
+
+def test_tensorboard_holds_every_step_loss_and_the_config_in_one_file_from_rank_0(flags_run):
+    """--log-with tensorboard on 2 ddp ranks: one event file of scalars (rank 0's; the write audit above proves no
+    other rank wrote under the run folder) with every step's loss as metrics.jsonl has it, and the config."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, _, _ = flags_run
+    logs = out / "logs"
+    files = sorted(logs.glob("events.out.tfevents.*"))
+    assert len(files) == 1, files
+    events = EventAccumulator(str(files[0])).Reload()
+    losses = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert losses == pytest.approx([(r["step"], r["loss"]) for r in rows(out, "step")], rel=1e-6)
+    assert [e.step for e in events.Scalars("test_accuracy")] == [MAX_STEPS]
+    hparams = (next(logs.glob("*/hparams.yml"))).read_text()
+    assert "global_batch_size: 256" in hparams and "engine: ddp" in hparams
 
 
 def test_torch_loader_resumes_mid_epoch_on_two_ranks_where_the_uninterrupted_run_goes(flags_run, tmp_path):

@@ -25,6 +25,7 @@ from toolkit.engines.base import cpu_requested
 from toolkit.engines.ddp import DEFAULT_TIMEOUT_S, attempt_store, nccl_error_handling, release_ddp_wrappers
 from toolkit.engines.accelerate_state import load_state_verified, save_state_atomically
 from toolkit.engines.prepared import has_gradients
+from toolkit.engines.tracking import for_accelerate, tensors_to_numbers
 from toolkit.errors import UserError
 from toolkit.check.capture import build_recorder
 
@@ -95,6 +96,9 @@ class AccelerateEngine:
             handlers = list(kwargs.pop("kwargs_handlers", None) or [])
             handlers.append(InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout)))
             kwargs["kwargs_handlers"] = handlers
+        if kwargs.get("log_with"):  # jsonl and csv are the toolkit's: registered with Accelerate as its trackers
+            logging_dir = getattr(kwargs.get("project_config"), "logging_dir", None) or kwargs.get("project_dir")
+            kwargs["log_with"] = for_accelerate(kwargs["log_with"], logging_dir)
         _cache_lomo_probe()
         _join_restarted_group(env, timeout, kwargs.get("cpu") or not torch.cuda.is_available())
         try:
@@ -136,6 +140,10 @@ class AccelerateEngine:
 
     def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None):
         self.accelerator.init_trackers(project_name, config=config, init_kwargs=init_kwargs or {})
+
+    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None):
+        # Tensors as numbers: Accelerate's trackio tracker drops a tensor value without a word.
+        self.accelerator.log(tensors_to_numbers(values), step=step, log_kwargs=log_kwargs or {})
 
     def save_state(self, output_dir=None, safe_serialization: bool = True, **save_model_func_kwargs):
         """Accelerate's own save_state, published atomically with the toolkit's state.json and manifest.json."""

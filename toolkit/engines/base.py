@@ -24,6 +24,7 @@ from toolkit.launch.env import LaunchEnv
 from toolkit.check.capture import build_recorder
 from toolkit.engines.checkpointing import CheckpointingMixin, ProjectConfiguration
 from toolkit.engines.processes import ProcessesMixin
+from toolkit.engines.tracking import build_trackers, check_trackers, find_tracker
 from toolkit.engines.prepared import (PreparedDataLoader, PreparedOptimizer, PreparedScheduler, has_gradients,
                                       map_tensors)
 
@@ -187,9 +188,11 @@ class TorchEngine(CheckpointingMixin, ProcessesMixin):
         self._save_state_pre_hooks, self._load_state_pre_hooks = {}, {}
         self._active_loader: PreparedDataLoader | None = None
         self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
-        if project_dir is not None and project_config is not None:
-            self.project_configuration.project_dir = project_dir
-        self.log_with, self.trackers = log_with, []
+        if project_dir is not None and project_config is not None and project_config.project_dir is None:
+            self.project_configuration.project_dir = project_dir  # Accelerate's rule: the config's own wins
+        # Checked on every rank (an unknown name, a missing package or folder stops all of them); built at
+        # init_trackers on the main process only.
+        self.log_with, self.trackers = check_trackers(log_with, self.logging_dir), []
         self.device = self._select_device()
         if mixed_precision == "fp16" and self.device.type != "cuda":
             raise UserError("fp16 mixed precision needs a CUDA device; use bf16 (or no) on CPU.")
@@ -469,11 +472,8 @@ class TorchEngine(CheckpointingMixin, ProcessesMixin):
     # -- tracking ------------------------------------------------------------------------------------
     def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None):
         """Start the trackers named by log_with, on the main process only, with `config` as hyperparameters."""
-        if not self.is_main_process or not self.log_with:
-            return
-        from toolkit.engines.tracking import build_trackers
-
-        self.trackers = build_trackers(self.log_with, project_name, self.logging_dir, config, init_kwargs or {})
+        if self.is_main_process:
+            self.trackers = build_trackers(self.log_with, project_name, self.logging_dir, config, init_kwargs or {})
 
     def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None):
         """Log `values` to every tracker (main process only)."""
@@ -482,12 +482,7 @@ class TorchEngine(CheckpointingMixin, ProcessesMixin):
 
     def get_tracker(self, name: str, unwrap: bool = False):
         """The tracker called `name` (its underlying writer with unwrap=True); a no-op one where none runs."""
-        for tracker in self.trackers:
-            if tracker.name == name:
-                return tracker.tracker if unwrap else tracker
-        from toolkit.engines.tracking import NoTracker
-
-        return NoTracker()
+        return find_tracker(self.trackers, name, unwrap)
 
     def _finish_trackers(self):
         for tracker in self.trackers:

@@ -58,6 +58,8 @@ class TrainingConfig:
     engine: str = field(default="auto", metadata={"choices": ["auto", *ENGINES]})
     mixed_precision: str | None = field(default=None, metadata={"choices": ["no", "bf16", "fp16"]})
     timeout: float = field(default=300.0, metadata={"help": "seconds a collective waits for a silent peer"})
+    log_with: str | None = field(default=None, metadata={"help": "experiment trackers, comma-separated: tensorboard, "
+                                 "trackio, jsonl, csv or all (written to OUTPUT_DIR/logs by the main process)"})
     skip_nonfinite: bool = field(default=False, metadata={"help": "skip steps whose loss is NaN/inf, not stop"})
     debug_nan_step: int | None = field(default=None, metadata={"help": argparse.SUPPRESS})  # tests inject a NaN
     lr_rule: str = field(default="", metadata={"help": argparse.SUPPRESS})  # set by apply_preset
@@ -78,7 +80,9 @@ def check_config(cfg):
 def start(cfg):
     """(accelerator, batch plan, cfg with the micro-batch as it runs) for a checked, preset-filled config."""
     check_config(cfg)
-    accelerator = build_accelerator(cfg.engine, mixed_precision=cfg.mixed_precision, timeout=cfg.timeout)
+    log_with = [name.strip() for name in cfg.log_with.split(",")] if cfg.log_with else None
+    accelerator = build_accelerator(cfg.engine, mixed_precision=cfg.mixed_precision, timeout=cfg.timeout,
+                                    log_with=log_with, project_dir=cfg.output_dir)
     check_fresh_output_dir(cfg.output_dir, cfg.resume, agreed_restart_count(accelerator))
     plan = plan_batches(cfg.global_batch_size, accelerator.num_processes, cfg.micro_batch_size)
     accelerator.gradient_accumulation_steps = plan.accumulation
@@ -144,6 +148,7 @@ def train_epoch(run: RunState, cfg, loader, records, progress, stop: StopRequest
         rate, lr = run.throughput.images_per_s or 0.0, run.scheduler.get_last_lr()[0]
         records.log("step", step=run.step, epoch=run.epoch, loss=mean_loss, lr=lr, images=run.images,
                     images_per_s=round(rate, 1), **({"skipped_ranks": bad_ranks} if bad_ranks else {}))
+        accelerator.log({"loss": mean_loss, "lr": lr, "images_per_s": rate}, step=run.step)
         progress.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.3g}", img_s=f"{rate:.0f}", refresh=False)
         progress.update()
         if stopping or cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0:
@@ -159,6 +164,7 @@ def fit(run: RunState, cfg, train_loader, test_loader, bn_fallback: bool):
     returns (last test metrics, the open RunRecorder). Ctrl-C/SIGTERM: checkpoint, then exit 130."""
     accelerator, model = run.accelerator, run.model
     records = RunRecorder(cfg.output_dir, active=accelerator.is_main_process)
+    accelerator.init_trackers("logs", config=asdict(cfg))  # --log-with's trackers, in OUTPUT_DIR/logs
     progress = tqdm(total=run.total_steps, initial=run.step, disable=not accelerator.is_main_process,
                     dynamic_ncols=True)
     errors.progress_elsewhere = accelerator.num_processes > 1 and not accelerator.is_main_process
@@ -178,6 +184,7 @@ def fit(run: RunState, cfg, train_loader, test_loader, bn_fallback: bool):
                     metrics = evaluate(model, test_loader, accelerator)
                     records.log("epoch", step=run.step, epoch=run.epoch, images=run.images,
                                 test_accuracy=metrics["accuracy"], test_loss=metrics["loss"], test_count=metrics["count"])
+                    accelerator.log({"test_accuracy": metrics["accuracy"], "test_loss": metrics["loss"]}, step=run.step)
                     if accelerator.is_local_main_process:
                         progress.write(f"epoch {run.epoch}: test accuracy {metrics['accuracy']:.4f}")
         finally:
