@@ -1,6 +1,6 @@
-"""Run records: per-step and per-epoch metrics (JSONL + CSV), TensorBoard when the tensorboard package is
-installed, a progress
-bar and a final summary.json, all written by the main process only (nothing duplicated per rank).
+"""Run records: per-step and per-epoch metrics (JSONL + CSV), a progress bar and a final summary.json, all
+written by the main process only (nothing duplicated per rank). Experiment trackers (TensorBoard, Trackio)
+are the engine's: `--log-with` and `accelerator.log` (toolkit/engines/tracking.py).
 
 Files are appended to, never truncated: a resumed run keeps what the interrupted one wrote.
 """
@@ -8,7 +8,6 @@ Files are appended to, never truncated: a resumed run keeps what the interrupted
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import os
 import platform
@@ -113,17 +112,10 @@ class RunRecorder:
         self.dir = Path(output_dir)
         self.started = time.time()
         self._csv: dict[str, tuple] = {}
-        self._tensorboard = None
         if not active:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.dir / "metrics.jsonl", "a")
-        if importlib.util.find_spec("tensorboard") is not None:
-            # The SummaryWriter Accelerate's TensorBoardTracker wraps: the tracker itself builds Accelerate's
-            # PartialState, which must not happen under the raw ddp engine.
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tensorboard = SummaryWriter(str(self.dir / "tensorboard"))
 
     def log(self, kind: str, **values):
         """Append one row of `kind` ("step", "epoch", ...) to metrics.jsonl and KIND.csv."""
@@ -143,10 +135,6 @@ class RunRecorder:
         handle, writer = self._csv[kind]
         writer.writerow(row)
         handle.flush()
-        if self._tensorboard is not None and "step" in values:
-            for name, value in values.items():
-                if isinstance(value, (int, float)) and name != "step":
-                    self._tensorboard.add_scalar(f"{kind}/{name}", value, values["step"])
 
     def summary(self, **values) -> dict:
         """Write summary.json (values + versions, hardware, git commit, wall time) and return it."""
@@ -164,5 +152,3 @@ class RunRecorder:
         self._jsonl.close()
         for handle, _ in self._csv.values():
             handle.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
