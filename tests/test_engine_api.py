@@ -231,3 +231,7 @@ def test_save_state_restores_everything_and_load_state_verifies(engine, tmp_path
     assert (tmp_path / "state" / "notes.txt").read_text() == "mine"
     engine.free_memory()
     engine._custom_objects.clear()
+
+
+def test_accelerates_local_sgd_averages_the_ranks_every_few_steps(two_ranks):
+    assert two_ranks[0]["local_sgd_in_step"] == [False, True, False]

@@ -71,10 +71,12 @@ def parity(*args, check_code=0):
     return proc.stdout
 
 
-@pytest.mark.parametrize("other, args_other", [("ddp", "--batch-size 4"), ("single", "--batch-size 8")])
-def test_parity_fsdp_agrees_with_ddp_and_one_process(other, args_other):
+# Against ddp, a model with a scalar parameter and a weight tied across blocks (kept whole, not sharded).
+@pytest.mark.parametrize("other, args_other, target", [("ddp", "--batch-size 4", "parity_scalar_target.py"),
+                                                       ("single", "--batch-size 8", "parity_target.py")])
+def test_parity_fsdp_agrees_with_ddp_and_one_process(other, args_other, target):
     out = parity(CPU, CPU, "--engine-a", "fsdp", "--engine-b", other, "--steps", "3", "--args-a=--batch-size 4",
-                 f"--args-b={args_other}", "--", SCRIPTS / "parity_target.py")
+                 f"--args-b={args_other}", "--", SCRIPTS / target)
     assert "engine fsdp, 2 process(es)" in out and "verdict: AGREE" in out
 
 
@@ -217,8 +219,9 @@ def test_sharded_checkpoint_resumes_at_another_world_size_and_consolidates_to_th
     assert max_weight_diff(reference, safetensors.torch.load_file(weights_only)) == 0.0
 
 
-BF16 = """
+ONE_PROCESS = """
 import torch, toolkit
+from accelerate.test_utils.scripts.test_sync import test_noop_sync
 accelerator = toolkit.build_accelerator("fsdp", mixed_precision="bf16")
 torch.manual_seed(0)
 net = torch.nn.Linear(8, 3)
@@ -230,12 +233,26 @@ x = torch.randn(4, 8)
 out = net(x)
 expected = torch.nn.functional.linear(x.bfloat16(), w.bfloat16(), b.bfloat16()).float()
 print("BF16", out.dtype, seen[0], accelerator.get_state_dict(net)["weight"].dtype, torch.equal(out, expected))
+test_noop_sync(toolkit.build_accelerator("fsdp"))  # raises unless every gradient equals the full-batch model's
+print("NOOP passed")
 accelerator.end_training()
 """
 
 
-def test_bf16_goes_through_the_mixed_precision_policy():
+@pytest.fixture(scope="module")
+def one_process():
+    """What one process started without a launcher printed; the two checks below share it."""
+    return run([PY, "-c", ONE_PROCESS]).stdout.strip().splitlines()
+
+
+def test_bf16_goes_through_the_mixed_precision_policy(one_process):
     """bf16 weights and inputs inside the forward, fp32 shards kept and fp32 outputs handed back: the output equals
     a hand-written bf16 linear layer exactly."""
-    line = run([PY, "-c", BF16]).stdout.strip().splitlines()[-1]
+    line = next(line for line in one_process if line.startswith("BF16"))
     assert line == "BF16 torch.float32 (torch.bfloat16, torch.bfloat16) torch.float32 True", line
+
+
+def test_accelerates_noop_sync_test_passes_at_one_process(one_process):
+    """Accelerate's test_noop_sync on RegressionModel (two scalar parameters, nothing fully_shard can shard): with
+    one process, no_sync changes no gradient. Its 2-rank siblings run in tests/test_fsdp_scalars.py."""
+    assert one_process[-1] == "NOOP passed"

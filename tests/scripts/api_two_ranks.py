@@ -61,5 +61,22 @@ accelerator.load_state(folder)
 seen["rng_restored"] = torch.equal(torch.rand(3), expected)
 seen["rng_files"] = sorted(p for p in os.listdir(folder) if p.startswith("random_states"))
 
+# Accelerate's LocalSGD (examples/by_feature/local_sgd.py): ranks step apart, then average every 2 steps.
+from accelerate.local_sgd import LocalSGD
+
+torch.manual_seed(0)
+local_model, local_optimizer = accelerator.prepare(torch.nn.Linear(2, 1), torch.optim.SGD([torch.zeros(1)], lr=0.1))
+local_optimizer = accelerator.prepare(torch.optim.SGD(local_model.parameters(), lr=0.1))
+after = []
+with LocalSGD(accelerator=accelerator, model=local_model, local_sgd_steps=2, enabled=True) as local_sgd:
+    for _ in range(3):
+        with accelerator.accumulate(local_model):
+            accelerator.backward(local_model(torch.full((4, 2), float(rank + 1))).sum())  # rank-dependent
+            local_optimizer.step()
+            local_optimizer.zero_grad()
+            local_sgd.step()
+        after.append(accelerator.gather(accelerator.unwrap_model(local_model).weight.detach().reshape(1, -1)).tolist())
+seen["local_sgd_in_step"] = [rows[0] == rows[1] for rows in after]  # apart, averaged, apart
+
 (out / f"rank{rank}.json").write_text(json.dumps(seen))
 accelerator.end_training()

@@ -12,14 +12,24 @@ The model is sharded per block (`shard_units`), then at the root. bf16 goes thro
 MixedPrecisionPolicy (bf16 compute and all-gathers, fp32 gradient reduction and master weights), not
 autocast. BatchNorm buffers are not sharded: like DDP, rank 0's are broadcast before each training
 forward, so every rank normalises with one model's statistics and a checkpoint holds them.
+
+Parameters fully_shard cannot take stay whole on every rank, as under DDP: scalars (a learned temperature,
+Accelerate's RegressionModel) and weights tied across blocks (an embedding and its output head). Their
+gradients are averaged over ranks in one all-reduce at the end of each synced backward, and whether a backward
+syncs is decided as DDP decides it, for sharded and whole parameters alike: at the forward (under no_sync or
+not), unless trigger_sync_in_backward is active when the backward runs. Under bf16 such a model's forward also
+runs under autocast, which casts the whole parameters the policy does not reach.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
+from torch.autograd import Variable
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -27,6 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from toolkit.engines.base import amp_dtype
 from toolkit.engines.prepared import PreparedOptimizer
 from toolkit.engines.ddp import RawDDPEngine
 from toolkit.errors import UserError
@@ -49,6 +60,30 @@ def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [c for c in children if any(p.requires_grad for p in c.parameters())]
 
 
+def replicated_parameters(model: torch.nn.Module, units: list[torch.nn.Module]) -> dict[str, torch.nn.Parameter]:
+    """The parameters fully_shard must leave whole (`ignored_params`), by name in the model's order: scalars (a 0-dim
+    tensor has no dimension to split) and parameters that more than one unit uses, the root counting as one
+    (each unit's fully_shard would replace a tied weight by a shard of its own, untying it).
+
+    >>> lm = torch.nn.ModuleDict({"embed": torch.nn.Embedding(5, 4), "head": torch.nn.Linear(4, 5)})
+    >>> lm.head.weight = lm.embed.weight
+    >>> lm.temperature = torch.nn.Parameter(torch.tensor(1.0))
+    >>> list(replicated_parameters(lm, shard_units(lm)))
+    ['temperature', 'embed.weight']
+    """
+    owners: dict[torch.nn.Parameter, set[int]] = {}
+    registrations: dict[torch.nn.Parameter, int] = {}
+    for index, unit in enumerate(units):
+        for _, param in unit.named_parameters(remove_duplicate=False):
+            owners.setdefault(param, set()).add(index)
+            registrations[param] = registrations.get(param, 0) + 1
+    for _, param in model.named_parameters(remove_duplicate=False):
+        registrations[param] = registrations.get(param, 0) - 1
+        if registrations[param] < 0:  # registered outside every unit: the root uses it too
+            owners.setdefault(param, set()).add(-1)
+    return {name: p for name, p in model.named_parameters() if p.ndim == 0 or len(owners.get(p, ())) > 1}
+
+
 def fsdp_modules(model):
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
@@ -67,6 +102,89 @@ def full_parameters(model):
         for unit in units:
             unit.set_reshard_after_forward(True, recurse=False)
             unit.reshard()
+
+
+class GradientSync:
+    """Whether a prepared model's backward syncs gradients, decided as DDP decides it: by the forward whose outputs
+    the backward goes through (outside no_sync: yes), or by trigger_sync_in_backward around the backward. FSDP2
+    itself reads its flag when the backward runs, so the decision is written to it as the backward starts; the
+    replicated parameters' gradients are averaged in one all-reduce when it ends."""
+
+    def __init__(self, model, replicated: list[torch.nn.Parameter], world: int):
+        self.model, self.replicated, self.world = model, replicated, world
+        self.enabled, self.triggered = True, False
+        self._pending: list[bool] = []  # the decisions of the forwards the running backward goes through
+        model.register_forward_hook(self._after_forward)  # after fully_shard's, so FSDP's output hooks come first
+
+    @contextlib.contextmanager
+    def off(self):
+        """no_sync: forwards in here leave their backward's gradients on this rank, to accumulate."""
+        previous, self.enabled = self.enabled, False
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.enabled = previous
+            self.model.set_requires_gradient_sync(previous)
+
+    @contextlib.contextmanager
+    def forced(self):
+        """trigger_sync_in_backward: a backward in here syncs, whichever way its forward ran."""
+        previous, self.triggered = self.triggered, True
+        self.model.set_requires_gradient_sync(True)
+        try:
+            yield
+        finally:
+            self.triggered = previous
+            self.model.set_requires_gradient_sync(self.enabled)
+
+    def _after_forward(self, module, args, output):
+        tensors = [t for t in _tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
+        if tensors:
+            sync = self.enabled
+            torch.autograd.graph.register_multi_grad_hook(tensors, lambda grad: self._before_backward(sync), mode="any")
+
+    def _before_backward(self, sync_at_forward: bool):
+        self._pending.append(sync_at_forward or self.triggered)
+        self.model.set_requires_gradient_sync(any(self._pending))  # each block reads it in its post-backward
+        Variable._execution_engine.queue_callback(self._after_backward)
+
+    def _after_backward(self):
+        # One callback per forward the backward went through; the first does the work for all of them.
+        sync, self._pending = any(self._pending), []
+        trained = [p for p in self.replicated if p.requires_grad]  # the same list on every rank
+        if sync and trained and self.world > 1:
+            average_gradients(trained, self.world)
+
+
+def average_gradients(params: list[torch.nn.Parameter], world: int):
+    """DDP's average of replicated parameters' gradients: summed over ranks in ONE all-reduce (per-parameter
+    collectives could pair one rank's `a` with another's `b` if their backwards ran in other orders), then divided
+    by the world size. A rank without a gradient for a parameter adds zeros; one no rank has a gradient for stays
+    None (a count of the ranks that had one travels with the sum)."""
+    dtype = functools.reduce(torch.promote_types, [p.dtype for p in params])
+    had = torch.tensor([p.grad is not None for p in params], dtype=dtype, device=params[0].device)
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype) for p in params]
+                     + [had])
+    dist.all_reduce(flat)
+    pieces = flat.split([p.numel() for p in params] + [len(params)])
+    for param, summed, count in zip(params, pieces, pieces[-1].tolist()):
+        if count:
+            mean = (summed / world).view_as(param).to(param.dtype)
+            if param.grad is None:
+                param.grad = mean
+            else:
+                param.grad.copy_(mean)
+
+
+def _tensors_in(output) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors_in(item)]
+    if isinstance(output, Mapping):  # a dict, or a transformers ModelOutput
+        return [t for item in output.values() for t in _tensors_in(item)]
+    return []
 
 
 class FSDPOptimizer(PreparedOptimizer):
@@ -97,21 +215,28 @@ class FSDPOptimizer(PreparedOptimizer):
 
 class FSDPEngine(RawDDPEngine):
     name = "fsdp"
+    distributed_type = "FSDP"  # Accelerate's DistributedType value
 
     def __init__(self, env, **kwargs):
         super().__init__(env, **kwargs)
         self._mesh = init_device_mesh(self.device.type, (self._world,))
         self._swapped = {}  # original parameter -> its sharded replacement (optimizers built before prepare)
         self._models = []
+        self._syncs: dict[torch.nn.Module, GradientSync] = {}  # prepared model -> when its gradients sync
 
     def prepare_model(self, model):
-        # Not the base's autocast: MixedPrecisionPolicy casts the gathered parameters instead.
-        return self._wrap_model(model.to(self.device))
+        # Not the base's autocast: MixedPrecisionPolicy casts the gathered parameters instead. It does not
+        # reach the replicated ones: where there are some, autocast casts them (a tied fp32 head would meet
+        # bf16 activations), and hands them fp32 gradients, as the policy does for the sharded ones.
+        model = self._wrap_model(model.to(self.device))
+        dtype = amp_dtype(self.mixed_precision)
+        if dtype is not None and self._syncs[model].replicated:
+            model.forward = _autocast(model.forward, self.device.type, dtype)
+        return model
 
     def _wrap_model(self, model):
         names = {p: name for name, p in model.named_parameters()}
-        bf16 = self.mixed_precision == "bf16"
-        dtype = torch.bfloat16 if bf16 else torch.float16 if self.mixed_precision == "fp16" else None
+        dtype = amp_dtype(self.mixed_precision)
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
                                       output_dtype=torch.float32 if dtype else None)
         if self._world > 1:
@@ -120,9 +245,12 @@ class FSDPEngine(RawDDPEngine):
             with torch.no_grad():
                 for tensor in model.state_dict().values():
                     dist.broadcast(tensor, src=0)
-        for unit in shard_units(model):
-            fully_shard(unit, mesh=self._mesh, mp_policy=policy)
-        fully_shard(model, mesh=self._mesh, mp_policy=policy)
+        units = shard_units(model)
+        replicated = list(replicated_parameters(model, units).values())
+        for unit in units:
+            fully_shard(unit, mesh=self._mesh, mp_policy=policy, ignored_params=set(replicated))
+        fully_shard(model, mesh=self._mesh, mp_policy=policy, ignored_params=set(replicated))
+        self._syncs[model] = GradientSync(model, replicated, self._world)
         # fully_shard replaced every parameter by a sharded one; optimizers made before must follow.
         sharded = dict(model.named_parameters())
         self._swapped.update({old: sharded[name] for old, name in names.items()})
@@ -154,7 +282,7 @@ class FSDPEngine(RawDDPEngine):
         self._optimizers.append(prepared)
         return prepared
 
-    def prepare(self, *objects):
+    def prepare(self, *objects, device_placement=None):
         # Models first, so an optimizer passed before its model in the same call still finds it.
         models = {id(o): self.prepare_model(o) for o in objects if isinstance(o, torch.nn.Module)}
         self._models += models.values()
@@ -163,19 +291,27 @@ class FSDPEngine(RawDDPEngine):
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
     def _no_sync(self, model):
-        return _gradient_sync_off(model) if isinstance(model, FSDPModule) else contextlib.nullcontext()
+        sync = self._syncs.get(model)
+        return sync.off() if sync is not None else contextlib.nullcontext()
+
+    def _trigger_sync(self, model):
+        sync = self._syncs.get(model)
+        return sync.forced() if sync is not None else contextlib.nullcontext()
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
-        """Clip by the norm of the FULL gradient: each rank's shard norm is combined over ranks."""
-        if self.scaler is not None and self.sync_gradients:
-            for optimizer in self._optimizers:
-                self.scaler.unscale_(optimizer.optimizer)
-        parameters = list(parameters) if not isinstance(parameters, torch.Tensor) else [parameters]
-        grads = [p.grad for p in parameters if p.grad is not None]
-        total = torch.nn.utils.get_total_norm(grads, norm_type)
-        if isinstance(total, DTensor):
-            total = total.full_tensor()  # the shards' norms, reduced over ranks
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+        """Clip by the norm of the FULL gradient: the shards' norms combined over ranks, and the replicated
+        gradients' (whole and equal on every rank) counted once."""
+        self.unscale_gradients()
+        parameters = [p for p in ([parameters] if isinstance(parameters, torch.Tensor) else parameters)
+                      if p.grad is not None]
+        groups = ([p for p in parameters if isinstance(p.grad, DTensor)],
+                  [p for p in parameters if not isinstance(p.grad, DTensor)])
+        norms = [torch.nn.utils.get_total_norm([p.grad for p in group], norm_type) for group in groups]
+        if isinstance(norms[0], DTensor):
+            norms[0] = norms[0].full_tensor()  # the shards' norms, reduced over ranks
+        total = torch.linalg.vector_norm(torch.stack([n.to(self.device) for n in norms]), norm_type)
+        for group in groups:  # one foreach call cannot mix DTensor and plain gradients
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
         return total
 
     def get_state_dict(self, model, unwrap: bool = True):
@@ -185,14 +321,14 @@ class FSDPEngine(RawDDPEngine):
 
     def load_full_state_dict(self, model, state_dict):
         """Load a full state dict (every rank holds it) into the sharded model: each keeps its shards."""
-        set_model_state_dict(self.unwrap_model(model), state_dict, options=StateDictOptions(full_state_dict=True))
+        # A copy: set_model_state_dict puts the shards it makes into the dict it is given.
+        set_model_state_dict(self.unwrap_model(model), dict(state_dict), options=StateDictOptions(full_state_dict=True))
 
 
-@contextlib.contextmanager
-def _gradient_sync_off(model):
-    # Gradients accumulate unsharded on every rank; the final micro-step reduce-scatters their sum once.
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
+def _autocast(forward, device_type, dtype):
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            return forward(*args, **kwargs)  # FSDP's output_dtype hands back float32 after this returns
+
+    return run
