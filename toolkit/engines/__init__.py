@@ -87,6 +87,10 @@ def build_accelerator(engine: str = "auto", **kwargs):
     engine_class = getattr(importlib.import_module(module_name), class_name)
     built = engine_class(env, **kwargs)
     check_world(built, env)
+    if name != "accelerate":
+        from toolkit.engines.base import share_state_with_accelerate
+
+        share_state_with_accelerate(built)
     return built
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import random
+import sys
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -488,6 +489,19 @@ class TorchEngine(CheckpointingMixin, ProcessesMixin):
         for tracker in self.trackers:
             tracker.finish()
         self.trackers = []
+
+
+def share_state_with_accelerate(engine):
+    """A script that imports accelerate may call its module-level helpers (`set_seed(device_specific=True)`,
+    `gather_object`, `save`): they read Accelerate's process state, which an Accelerator would have made. Make it
+    over the engine's world (its group already formed). A script that never imported accelerate pays nothing."""
+    if "accelerate" not in sys.modules:
+        return
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import TorchDynamoPlugin
+
+    AcceleratorState(mixed_precision=engine.mixed_precision, cpu=engine.device.type == "cpu",
+                     dynamo_plugin=TorchDynamoPlugin(backend="no"), _from_accelerator=True)
 
 
 class NotOnThisEngine(UserError, AttributeError):

@@ -97,7 +97,7 @@ class CheckpointingMixin:
         """Accelerate's save_state: models, optimizers, schedulers, the GradScaler, every rank's RNG streams
         and the registered objects, in Accelerate's layout plus state.json and manifest.json. Every rank calls it."""
         final = self._save_dir(output_dir)
-        weights = [self._accelerate_keys(self.get_state_dict(model)) for model in self._models]  # fsdp: collectives
+        weights = [self.get_state_dict(model) for model in self._models]  # collectives under fsdp
         optimizers = [optimizer.state_dict() for optimizer in self._optimizers]
         rng_states = self.gather_object([folder_format.rng_state(self.step)])
         for hook in self._save_state_pre_hooks.values():
@@ -110,14 +110,6 @@ class CheckpointingMixin:
                 self._write_state(final, weights, optimizers, rng_states, safe_serialization)
         self.project_configuration.iteration += 1
         return str(final)
-
-    def _accelerate_keys(self, state_dict):
-        """The weights' names as a real Accelerator of this world size writes them: with more than one process
-        it trains (on CPU, or GPUs without FSDP) a DDP wrapper, whose names start with `module.`. Every engine
-        loads either form."""
-        if self.num_processes == 1 or not state_dict:
-            return state_dict
-        return {f"module.{name}": tensor for name, tensor in state_dict.items()}
 
     def _write_state(self, final, weights, optimizers, rng_states, safe_serialization):
         from toolkit.models.weights import save_model

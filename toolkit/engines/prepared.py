@@ -139,9 +139,10 @@ class PreparedDataLoader:
             shuffle=isinstance(loader.sampler, RandomSampler),
             seed=engine.data_order_seed(),
         )
-        sampler = _SkipFirst(self.sampler, skip_batches * loader.batch_size) if skip_batches else self.sampler
+        self.per_process_batch = _per_process_batch(loader.batch_size, engine)
+        sampler = _SkipFirst(self.sampler, skip_batches * self.per_process_batch) if skip_batches else self.sampler
         kwargs = dict(
-            batch_size=loader.batch_size,
+            batch_size=self.per_process_batch,
             sampler=sampler,
             num_workers=loader.num_workers,
             collate_fn=loader.collate_fn,
@@ -149,6 +150,7 @@ class PreparedDataLoader:
             drop_last=loader.drop_last,
             worker_init_fn=loader.worker_init_fn,
             persistent_workers=loader.persistent_workers,
+            generator=loader.generator,  # each epoch's worker seed comes from it, not from the global RNG
         )
         if loader.num_workers > 0:
             kwargs["prefetch_factor"] = loader.prefetch_factor
@@ -162,7 +164,7 @@ class PreparedDataLoader:
 
     @property
     def total_batch_size(self):
-        return self.batch_size * self.engine.num_processes
+        return self.batch_size if self.engine.split_batches else self.batch_size * self.engine.num_processes
 
     def set_epoch(self, epoch: int):
         self._owner().epoch = epoch
@@ -190,7 +192,7 @@ class PreparedDataLoader:
             self.sampler.set_epoch(owner.epoch)
         if hasattr(self.dataset, "set_epoch"):  # a dataset that seeds per-epoch augmentation, as Accelerate allows
             self.dataset.set_epoch(owner.epoch)
-        engine, seen = self.engine, self.skip_batches * (self.batch_size or 0)
+        engine, seen = self.engine, self.skip_batches * (getattr(self, "per_process_batch", None) or 0)
         owner.batches_seen = self.skip_batches
         engine.end_of_dataloader = False
         iterator = iter(self.loader)
@@ -218,6 +220,18 @@ class PreparedDataLoader:
         engine.end_of_dataloader = False
         owner.epoch += 1
         owner.batches_seen = 0
+
+
+def _per_process_batch(batch_size: int, engine) -> int:
+    """Each process's batch: the loader's, or with split_batches its share of it (Accelerate's rule)."""
+    if not engine.split_batches:
+        return batch_size
+    if batch_size % engine.num_processes:
+        from toolkit.errors import UserError
+
+        raise UserError(f"split_batches needs a batch size that {engine.num_processes} processes divide evenly, not "
+                        f"{batch_size}; use a multiple of {engine.num_processes}.")
+    return batch_size // engine.num_processes
 
 
 class _SkipFirst(torch.utils.data.Sampler):
