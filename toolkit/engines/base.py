@@ -276,6 +276,7 @@ class TorchEngine(CheckpointingMixin, ProcessesMixin):
 
     def end_training(self):
         self._finish_trackers()
+        release_accelerate_state(self)
 
     def print(self, *args, **kwargs):
         if self.is_local_main_process:
@@ -500,8 +501,19 @@ def share_state_with_accelerate(engine):
     from accelerate.state import AcceleratorState
     from accelerate.utils import TorchDynamoPlugin
 
+    engine._made_accelerate_state = not AcceleratorState._shared_state
     AcceleratorState(mixed_precision=engine.mixed_precision, cpu=engine.device.type == "cpu",
                      dynamo_plugin=TorchDynamoPlugin(backend="no"), _from_accelerator=True)
+
+
+def release_accelerate_state(engine):
+    """At end_training, forget the state share_state_with_accelerate made, as a finished Accelerator's process
+    would: a notebook can then run accelerate's notebook_launcher, which refuses while any state exists."""
+    if getattr(engine, "_made_accelerate_state", False):
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        engine._made_accelerate_state = False
 
 
 class NotOnThisEngine(UserError, AttributeError):

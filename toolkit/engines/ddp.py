@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from toolkit.engines.base import TorchEngine
+from toolkit.engines.base import TorchEngine, release_accelerate_state
 from toolkit.errors import UserError
 
 DEFAULT_TIMEOUT_S = 600
@@ -150,6 +150,7 @@ class RawDDPEngine(TorchEngine):
 
     def end_training(self):
         self._finish_trackers()
+        release_accelerate_state(self)
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
