@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from accelerate import Accelerator
-from conftest import PY, SCRIPTS, TORCHRUN, read_json, run
+from conftest import SCRIPTS, TORCHRUN, read_json, run
 from torch.utils.data import DataLoader, TensorDataset
 
 import toolkit

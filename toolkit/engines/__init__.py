@@ -88,7 +88,7 @@ def build_accelerator(engine: str = "auto", **kwargs):
     built = engine_class(env, **kwargs)
     check_world(built, env)
     if name != "accelerate":
-        from toolkit.engines.base import share_state_with_accelerate
+        from toolkit.engines.accelerate_settings import share_state_with_accelerate
 
         share_state_with_accelerate(built)
     return built

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import random
-import sys
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -23,6 +22,7 @@ from torch.utils.data import DataLoader
 from toolkit.errors import UserError
 from toolkit.launch.env import LaunchEnv
 from toolkit.check.capture import build_recorder
+from toolkit.engines.accelerate_settings import AccelerateSettingsMixin, release_accelerate_state
 from toolkit.engines.checkpointing import CheckpointingMixin, ProjectConfiguration
 from toolkit.engines.processes import ProcessesMixin
 from toolkit.engines.tracking import build_trackers, check_trackers, find_tracker
@@ -131,21 +131,7 @@ def _autocast_forward(forward, device_type, dtype):
     return wrapped
 
 
-# Accelerator(...) settings a plain-PyTorch engine cannot honour: refused (with a non-default value) in one sentence.
-_ACCELERATE_ONLY = ("deepspeed_plugin", "deepspeed_plugins", "fsdp_plugin", "torch_tp_plugin", "megatron_lm_plugin",
-                    "dynamo_plugin", "parallelism_config")
-# Accelerator attributes that belong to features these engines do not run: reading one is refused in one
-# sentence (an AttributeError too, so hasattr() stays False), never a bare AttributeError.
-_ACCELERATE_ONLY_ATTRIBUTES = ("state", "gradient_state", "deepspeed_engine_wrapped", "deepspeed_config",
-                               "deepspeed_plugins", "fsdp_plugin", "megatron_lm_plugin", "torch_tp_plugin",
-                               "dynamo_plugin", "lomo_backward", "maybe_context_parallel",
-                               "deepspeed_ulysses_dl_adapter", "fp8_recipe_handler", "ao_recipe_handler",
-                               "te_recipe_handler", "has_fp8_handler", "autocast_handler", "scaler_handler")
-_HANDLERS = ("DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs", "ProfileKwargs",
-             "AutocastKwargs")
-
-
-class TorchEngine(CheckpointingMixin, ProcessesMixin):
+class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin):
     """Shared body of the plain-PyTorch engines. Subclasses set `name` and override the hooks
     `_wrap_model`, `_no_sync`, `_trigger_sync`, `_all_gather`, `_all_reduce`, `_gather_objects`,
     `wait_for_everyone`, `end_training`."""
@@ -200,37 +186,6 @@ class TorchEngine(CheckpointingMixin, ProcessesMixin):
         self.scaler = torch.amp.GradScaler("cuda", **self._scaler_kwargs) if mixed_precision == "fp16" else None
         self._recorder = build_recorder(self)  # `toolkit parity` only; otherwise its hooks do nothing
 
-    def _refuse_accelerate_only(self, settings: dict, dynamo_backend):
-        unknown = [k for k in settings if k not in _ACCELERATE_ONLY]
-        if unknown:
-            raise TypeError(f"Accelerator() got unexpected keyword argument(s) {', '.join(unknown)}")
-        given = [k for k, v in settings.items() if v is not None]
-        if dynamo_backend not in (None, "no", "NO"):
-            given.append("dynamo_backend")
-        if given:
-            raise UserError(f"the {self.name} engine cannot honour Accelerator({', '.join(given)}=...); use the "
-                            f"accelerate engine (--engine accelerate) for it, or torch.compile the model yourself.")
-
-    def _read_handlers(self, handlers, timeout):
-        """Accelerate's kwargs handlers, read by class name (this engine does not import accelerate)."""
-        self.ddp_handler, self.profile_handler, self._scaler_kwargs, self._autocast_kwargs = None, None, {}, {}
-        self.timeout = timeout
-        for handler in handlers:
-            kind = type(handler).__name__
-            if kind not in _HANDLERS:
-                raise UserError(f"the {self.name} engine does not take {kind} in kwargs_handlers (it takes "
-                                f"{', '.join(_HANDLERS)}); use the accelerate engine (--engine accelerate) for it.")
-            if kind == "DistributedDataParallelKwargs":
-                self.ddp_handler = handler
-            elif kind == "ProfileKwargs":
-                self.profile_handler = handler
-            elif kind == "GradScalerKwargs":
-                self._scaler_kwargs = handler.to_kwargs()
-            elif kind == "AutocastKwargs":
-                self._autocast_kwargs = handler.to_kwargs()
-            elif timeout is None and getattr(handler, "timeout", None) is not None:  # InitProcessGroupKwargs
-                self.timeout = handler.timeout.total_seconds()
-
     # -- world ---------------------------------------------------------------------------------------
     def _select_device(self) -> torch.device:
         return torch.device("cpu") if self.use_cpu else torch.device("cuda", 0)
@@ -251,13 +206,6 @@ class TorchEngine(CheckpointingMixin, ProcessesMixin):
     even_batches, dispatch_batches, use_seedable_sampler, use_stateful_dataloader, non_blocking = True, False, True, False, False
     parallelism_config = torch_device_mesh = deepspeed_plugin = fp8_backend = None
     is_composable_parallelism_enabled = False
-
-    def __getattr__(self, name):
-        # Only reached for names not defined: an Accelerator attribute of a feature this engine does not run.
-        if name in _ACCELERATE_ONLY_ATTRIBUTES:
-            raise NotOnThisEngine(f"the {self.name} engine has no Accelerator.{name} (it belongs to a feature only "
-                                  f"Accelerate runs); use the accelerate engine (--engine accelerate) for it.")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def join_uneven_inputs(self, joinables, even_batches=None):
         """A no-op: these engines' loaders always give every rank as many batches (sampler padding)."""
@@ -490,34 +438,6 @@ class TorchEngine(CheckpointingMixin, ProcessesMixin):
         for tracker in self.trackers:
             tracker.finish()
         self.trackers = []
-
-
-def share_state_with_accelerate(engine):
-    """A script that imports accelerate may call its module-level helpers (`set_seed(device_specific=True)`,
-    `gather_object`, `save`): they read Accelerate's process state, which an Accelerator would have made. Make it
-    over the engine's world (its group already formed). A script that never imported accelerate pays nothing."""
-    if "accelerate" not in sys.modules:
-        return
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import TorchDynamoPlugin
-
-    engine._made_accelerate_state = not AcceleratorState._shared_state
-    AcceleratorState(mixed_precision=engine.mixed_precision, cpu=engine.device.type == "cpu",
-                     dynamo_plugin=TorchDynamoPlugin(backend="no"), _from_accelerator=True)
-
-
-def release_accelerate_state(engine):
-    """At end_training, forget the state share_state_with_accelerate made, as a finished Accelerator's process
-    would: a notebook can then run accelerate's notebook_launcher, which refuses while any state exists."""
-    if getattr(engine, "_made_accelerate_state", False):
-        from accelerate.state import AcceleratorState
-
-        AcceleratorState._reset_state(reset_partial_state=True)
-        engine._made_accelerate_state = False
-
-
-class NotOnThisEngine(UserError, AttributeError):
-    """An Accelerator attribute the engine does not offer: one sentence naming the engine that does."""
 
 
 def _holds_tensors(data) -> bool:

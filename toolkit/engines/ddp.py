@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from toolkit.engines.base import TorchEngine, release_accelerate_state
+from toolkit.engines.accelerate_settings import release_accelerate_state
+from toolkit.engines.base import TorchEngine
 from toolkit.errors import UserError
 
 DEFAULT_TIMEOUT_S = 600

@@ -9,8 +9,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch
-
 from toolkit.errors import UserError
 from toolkit.engines.state_folder import (fsync as _fsync, indexed, is_accelerate_folder, publish as _publish, rng_file, rng_state,
                                           save_checked as _save_pt, seal, set_rng_state,  # noqa: F401
