@@ -200,3 +200,11 @@ def test_nccl_rank_whose_peer_died_says_so_in_one_line(tmp_path):
     errors = rank_lines(tmp_path / "ranks0", "stderr")
     assert code != 0 and [line for line in errors if line.startswith("error: ")] == errors[-1:], errors[-20:]
     assert "rank 0 lost contact with the other ranks at step" in errors[-1], errors[-20:]
+
+
+def test_the_accelerator_api_on_one_gpu_under_every_engine():
+    """save_state/load_state both ways with a real Accelerator in bf16 and fp16 (scaler state included), fsdp with
+    a scalar parameter, clipping, skipped fp16 steps and trackers, on CUDA under each engine."""
+    need_gpus(1)
+    proc = run([PY, ROOT / "tests" / "scripts" / "gpu_api_check.py"], timeout=400)
+    assert proc.stdout.count("API OK") == 10 and "ALL OK" in proc.stdout, proc.stdout

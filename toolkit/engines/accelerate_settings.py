@@ -79,7 +79,9 @@ def share_state_with_accelerate(engine):
     from accelerate.state import AcceleratorState
     from accelerate.utils import TorchDynamoPlugin
 
-    engine._made_accelerate_state = not AcceleratorState._shared_state
+    if AcceleratorState._shared_state:  # an Accelerator (or an earlier engine) made it: it stays as it is
+        return
+    engine._made_accelerate_state = True
     AcceleratorState(mixed_precision=engine.mixed_precision, cpu=engine.device.type == "cpu",
                      dynamo_plugin=TorchDynamoPlugin(backend="no"), _from_accelerator=True)
 
