@@ -13,18 +13,19 @@ import toolkit
 
 
 class Net(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, scalar=True):
         super().__init__()
         self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-        self.temperature = torch.nn.Parameter(torch.tensor(1.5))  # a scalar: fsdp keeps it whole
+        # a scalar: fsdp keeps it whole (and refuses fp16 with it: GradScaler cannot mix whole and sharded)
+        self.temperature = torch.nn.Parameter(torch.tensor(1.5)) if scalar else None
 
     def forward(self, x):
-        return self.body(x) / self.temperature
+        return self.body(x) / (self.temperature if self.temperature is not None else 1.0)
 
 
-def setup(accelerator):
+def setup(accelerator, scalar=True):
     torch.manual_seed(7)
-    net = Net()
+    net = Net(scalar)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.9)
     return accelerator.prepare(net, optimizer, scheduler)
@@ -54,7 +55,14 @@ def check(engine, precision, folder):
                                             log_with="jsonl", project_dir=str(folder))
     assert accelerator.device.type == "cuda", accelerator.device
     accelerator.init_trackers("gpu", config={"engine": engine, "precision": precision})
-    model, optimizer, scheduler = setup(accelerator)
+    scalar = not (engine == "fsdp" and precision == "fp16")
+    if not scalar:
+        try:
+            setup(accelerator)
+            raise AssertionError("fsdp took fp16 with a whole scalar parameter")
+        except toolkit.UserError as error:
+            assert "cannot train fp16 with parameters it keeps whole (temperature" in str(error), error
+    model, optimizer, scheduler = setup(accelerator, scalar)
     loss = train(accelerator, model, optimizer, scheduler, 6)
     assert torch.isfinite(torch.tensor(loss)), loss
     accelerator.log({"loss": loss}, step=6)
@@ -63,14 +71,14 @@ def check(engine, precision, folder):
     accelerator.end_training()
     AcceleratorState._reset_state(True)
     real = Accelerator(mixed_precision=precision)  # a real Accelerator on the same GPU reads the folder
-    model2, optimizer2, scheduler2 = setup(real)
+    model2, optimizer2, scheduler2 = setup(real, scalar)
     real.load_state(str(folder / "state"))
     assert all(torch.equal(v, saved[k]) for k, v in weights(real, model2).items())
     assert scheduler2.scheduler.last_epoch == scheduler.scheduler.last_epoch
     real.save_state(str(folder / "back"))
     AcceleratorState._reset_state(True)
     again = toolkit.build_accelerator(engine, mixed_precision=precision, gradient_accumulation_steps=2)
-    model3, optimizer3, scheduler3 = setup(again)
+    model3, optimizer3, scheduler3 = setup(again, scalar)
     again.load_state(folder / "back")
     assert all(torch.equal(v, saved[k]) for k, v in weights(again, model3).items())
     again.end_training()

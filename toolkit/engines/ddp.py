@@ -95,13 +95,11 @@ class RawDDPEngine(TorchEngine):
             raise UserError("the ddp engine needs MASTER_ADDR and MASTER_PORT; launch with torchrun or toolkit launch.")
         wait = datetime.timedelta(seconds=timeout)
         if env.world_size == 1 and env.master_port is None:
-            # A 1-process group still needs a store; a free local port keeps two such runs apart.
-            from toolkit.launch.launcher import free_port
-
-            host, port = "127.0.0.1", free_port()
+            # A 1-process group needs a store but no peer to meet: an in-memory one takes no port (a port chosen
+            # free and then bound can be taken in between, as on the GPU machine's second group in one process).
+            store = dist.HashStore()
         else:
-            host, port = env.master_addr, env.master_port
-        store = attempt_store(env, host, port, wait)
+            store = attempt_store(env, env.master_addr, env.master_port, wait)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=wait,
                                 device_id=self.device if self.device.type == "cuda" else None)
         self._owns_group = True

@@ -247,6 +247,11 @@ class FSDPEngine(RawDDPEngine):
                     dist.broadcast(tensor, src=0)
         units = shard_units(model)
         replicated = list(replicated_parameters(model, units).values())
+        if replicated and self.scaler is not None:
+            # torch's GradScaler checks a step's gradients in one call that must be all sharded or all whole.
+            names = list(replicated_parameters(model, units))
+            raise UserError(f"the fsdp engine cannot train fp16 with parameters it keeps whole ({', '.join(names[:3])}: "
+                            f"scalars or tied weights); use bf16, or the ddp engine for fp16.")
         for unit in units:
             fully_shard(unit, mesh=self._mesh, mp_policy=policy, ignored_params=set(replicated))
         fully_shard(model, mesh=self._mesh, mp_policy=policy, ignored_params=set(replicated))
