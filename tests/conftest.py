@@ -85,6 +85,18 @@ ACCELERATE = [PY, "-m", "accelerate.commands.launch"]
 TOOLKIT = [PY, "-m", "toolkit.cli"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def forget_accelerate_state():
+    """A real Accelerator leaves Accelerate's process-wide state behind; under pytest-xdist one worker runs several
+    files, and a later file's `notebook_launcher` refuses to start while any exists. Each file starts without it."""
+    yield
+    if "accelerate.state" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
 @pytest.fixture(autouse=True)
 def share_the_machine(request, tmp_path_factory):
     """Under pytest-xdist (the README runs the suite with `-n auto --dist loadfile`), tests of different files
