@@ -25,7 +25,8 @@ from toolkit.engines.base import cpu_requested
 from toolkit.engines.ddp import DEFAULT_TIMEOUT_S, attempt_store, nccl_error_handling, release_ddp_wrappers
 from toolkit.engines.accelerate_state import load_state_verified, save_state_atomically
 from toolkit.engines.prepared import has_gradients
-from toolkit.engines.tracking import for_accelerate, tensors_to_numbers
+from toolkit.engines.trackers import tensors_to_numbers
+from toolkit.engines.tracking import for_accelerate
 from toolkit.errors import UserError
 from toolkit.check.capture import build_recorder
 

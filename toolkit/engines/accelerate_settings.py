@@ -6,6 +6,7 @@ accelerate's module-level helpers read, made over the engine's world when the sc
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 from toolkit.errors import UserError
@@ -29,7 +30,24 @@ class NotOnThisEngine(UserError, AttributeError):
 
 
 class AccelerateSettingsMixin:
-    """Needs from the engine: `name`."""
+    """Needs from the engine: `name`, `num_processes`, `process_index`, `is_main_process`."""
+
+    multi_device = property(lambda self: self.num_processes > 1)
+    should_save_model = property(lambda self: self.is_main_process)
+    is_fsdp2 = property(lambda self: self.name == "fsdp")
+    data_parallel_rank = data_parallel_shard_rank = property(lambda self: self.process_index)
+    # What Accelerate's settings read as here: one data-parallel dimension, even seeded loaders.
+    tensor_parallel_rank = pipeline_parallel_rank = context_parallel_rank = 0
+    even_batches, dispatch_batches, use_seedable_sampler, use_stateful_dataloader, non_blocking = True, False, True, False, False
+    parallelism_config = torch_device_mesh = deepspeed_plugin = fp8_backend = None
+    is_composable_parallelism_enabled = False
+
+    def join_uneven_inputs(self, joinables, even_batches=None):
+        """A no-op: these engines' loaders always give every rank as many batches (sampler padding)."""
+        return contextlib.nullcontext()
+
+    def verify_device_map(self, model) -> bool:
+        return False  # no big-model device map: each engine places the whole model itself
 
     def _refuse_accelerate_only(self, settings: dict, dynamo_backend):
         unknown = [k for k in settings if k not in ACCELERATE_ONLY]

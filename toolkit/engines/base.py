@@ -25,7 +25,7 @@ from toolkit.check.capture import build_recorder
 from toolkit.engines.accelerate_settings import AccelerateSettingsMixin, release_accelerate_state
 from toolkit.engines.checkpointing import CheckpointingMixin, ProjectConfiguration
 from toolkit.engines.processes import ProcessesMixin
-from toolkit.engines.tracking import build_trackers, check_trackers, find_tracker
+from toolkit.engines.tracking import TrackingMixin, check_trackers
 from toolkit.engines.prepared import (PreparedDataLoader, PreparedOptimizer, PreparedScheduler, has_gradients,
                                       map_tensors)
 
@@ -131,7 +131,7 @@ def _autocast_forward(forward, device_type, dtype):
     return wrapped
 
 
-class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin):
+class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, TrackingMixin):
     """Shared body of the plain-PyTorch engines. Subclasses set `name` and override the hooks
     `_wrap_model`, `_no_sync`, `_trigger_sync`, `_all_gather`, `_all_reduce`, `_gather_objects`,
     `wait_for_everyone`, `end_training`."""
@@ -197,23 +197,6 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin):
     is_local_main_process = property(lambda self: self.local_process_index == 0)
     distributed_type = property(lambda self: "NO")  # Accelerate's DistributedType values (a str enum)
     native_amp = property(lambda self: self.mixed_precision != "no")
-    multi_device = property(lambda self: self.num_processes > 1)
-    should_save_model = property(lambda self: self.is_main_process)
-    is_fsdp2 = property(lambda self: self.name == "fsdp")
-    data_parallel_rank = data_parallel_shard_rank = property(lambda self: self.process_index)
-    # What Accelerate's settings read as here: one data-parallel dimension, even seeded loaders.
-    tensor_parallel_rank = pipeline_parallel_rank = context_parallel_rank = 0
-    even_batches, dispatch_batches, use_seedable_sampler, use_stateful_dataloader, non_blocking = True, False, True, False, False
-    parallelism_config = torch_device_mesh = deepspeed_plugin = fp8_backend = None
-    is_composable_parallelism_enabled = False
-
-    def join_uneven_inputs(self, joinables, even_batches=None):
-        """A no-op: these engines' loaders always give every rank as many batches (sampler padding)."""
-        return contextlib.nullcontext()
-
-    def verify_device_map(self, model) -> bool:
-        return False  # no big-model device map: each engine places the whole model itself
-
     @property
     def optimizer_step_was_skipped(self) -> bool:
         """Whether the last optimizer step was skipped (fp16 overflow): the learning rate should not change."""
@@ -418,26 +401,6 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin):
             raise ValueError(f"reduction must be 'sum' or 'mean', not {reduction!r}")
         return map_tensors(lambda t: self._all_reduce(t.clone() * scale if scale != 1.0 else t.clone(), reduction),
                            tensor)
-
-    # -- tracking ------------------------------------------------------------------------------------
-    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None):
-        """Start the trackers named by log_with, on the main process only, with `config` as hyperparameters."""
-        if self.is_main_process:
-            self.trackers = build_trackers(self.log_with, project_name, self.logging_dir, config, init_kwargs or {})
-
-    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None):
-        """Log `values` to every tracker (main process only)."""
-        for tracker in self.trackers:
-            tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
-
-    def get_tracker(self, name: str, unwrap: bool = False):
-        """The tracker called `name` (its underlying writer with unwrap=True); a no-op one where none runs."""
-        return find_tracker(self.trackers, name, unwrap)
-
-    def _finish_trackers(self):
-        for tracker in self.trackers:
-            tracker.finish()
-        self.trackers = []
 
 
 def _holds_tensors(data) -> bool:
