@@ -202,20 +202,19 @@ def test_save_state_restores_everything_and_load_state_verifies(engine, tmp_path
     model, optimizer, scheduler = engine.prepare(net, optimizer, scheduler)
     counter = Counter()
     engine.register_for_checkpointing(counter)
-    for _ in range(3):
-        engine.backward(model(torch.randn(4, 3, device=engine.device)).square().mean())
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
+    def train(steps):
+        for _ in range(steps):
+            engine.backward(model(torch.randn(4, 3, device=engine.device)).square().mean())
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+
+    train(3)
     counter.count = 3
     engine.save_state(tmp_path / "state")
     saved = {k: v.clone() for k, v in engine.get_state_dict(model).items()}
     expected_rand, lr = torch.rand(2), optimizer.param_groups[0]["lr"]
-    for _ in range(2):  # move everything on, then come back
-        engine.backward(model(torch.randn(4, 3, device=engine.device)).square().mean())
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
+    train(2)  # move everything on, then come back
     counter.count = 99
     engine.load_state(tmp_path / "state")
     assert all(torch.equal(v, saved[k]) for k, v in engine.get_state_dict(model).items())

@@ -13,43 +13,19 @@ import torch
 
 from toolkit import errors
 from toolkit.engines import state_folder as folder_format
-from toolkit.engines.checkpointing import _ITERATION, _refuse_foreign_files
-
-
-def _final_dir(accelerator, output_dir) -> Path:
-    config = accelerator.project_configuration
-    if not config.automatic_checkpoint_naming:
-        if output_dir is None:
-            raise errors.UserError("save_state needs an output_dir (or ProjectConfiguration(automatic_checkpoint_naming=True)).")
-        return Path(output_dir)
-    return Path(accelerator.project_dir) / "checkpoints" / f"checkpoint_{accelerator.save_iteration}"
-
-
-def _prune(root: Path, limit):
-    if limit is None or not root.is_dir():
-        return
-    folders = sorted((int(m[1]), p) for p in root.iterdir() if (m := _ITERATION.fullmatch(p.name)))
-    for _, path in folders[: max(0, len(folders) + 1 - limit)]:
-        aside = path.with_name(f".old-{path.name}-{os.getpid()}")
-        os.rename(path, aside)
-        shutil.rmtree(aside)
+from toolkit.engines.checkpointing import destination, make_room
 
 
 def save_state_atomically(engine, output_dir, safe_serialization, **save_model_func_kwargs) -> str:
     accelerator = engine.accelerator
     config = accelerator.project_configuration
-    final = _final_dir(accelerator, output_dir)
+    final = destination(config, output_dir)
     # One build folder for every rank (each writes its own random_states_<rank>.pkl there): rank 0's pid names it.
     pid = int(engine.gather(torch.tensor([os.getpid()], device=engine.device))[0])
     temp = final.with_name(f".tmp-{final.name}-{pid}")
     with errors.all_ranks(engine):
         if engine.is_main_process:
-            if final.exists() and config.automatic_checkpoint_naming:
-                raise errors.UserError(f"checkpoint folder {final} already exists; set accelerator.project_configuration"
-                                       f".iteration to the iteration to continue from.")
-            if config.automatic_checkpoint_naming:
-                _prune(final.parent, config.total_limit)
-            _refuse_foreign_files(final)
+            make_room(final, config)
             final.parent.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(temp, ignore_errors=True)
     automatic, config.automatic_checkpoint_naming = config.automatic_checkpoint_naming, False
@@ -65,7 +41,7 @@ def save_state_atomically(engine, output_dir, safe_serialization, **save_model_f
                          "world_size": accelerator.num_processes,
                          "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
                          "dataloaders": [{"epoch": getattr(dl, "iteration", 0)} for dl in accelerator._dataloaders]}
-                (temp / folder_format.STATE_NAME).write_text(_json(state))
+                folder_format.write_state_json(temp, state)
                 folder_format.seal(temp, {"checkpoint_format": "full", "step": accelerator.step,
                                           "world_size": accelerator.num_processes})
                 folder_format.publish(temp, final)
@@ -94,9 +70,3 @@ def load_state_verified(engine, input_dir, load_kwargs, **load_model_func_kwargs
             if hasattr(loader, "set_epoch"):
                 loader.set_epoch(int(position.get("epoch", 0)))
     return result
-
-
-def _json(state) -> str:
-    import json
-
-    return json.dumps(state, indent=2) + "\n"

@@ -62,41 +62,11 @@ class CheckpointingMixin:
     def save_iteration(self) -> int:
         return self.project_configuration.iteration
 
-    def _save_dir(self, output_dir) -> Path:
-        config = self.project_configuration
-        if not config.automatic_checkpoint_naming:
-            if output_dir is None:
-                raise UserError("save_state needs an output_dir (or ProjectConfiguration(automatic_checkpoint_naming=True)).")
-            return Path(output_dir)
-        root = Path(self._project_dir_or_refuse("save_state")) / "checkpoints"
-        final = root / f"checkpoint_{config.iteration}"
-        if final.exists():
-            raise UserError(f"checkpoint folder {final} already exists; set accelerator.project_configuration.iteration "
-                            f"to the iteration to continue from.")
-        return final
-
-    def _project_dir_or_refuse(self, call):
-        if self.project_dir is None:
-            raise UserError(f"{call} with automatic checkpoint naming needs project_dir= (or a ProjectConfiguration).")
-        return self.project_dir
-
-    def _prune(self, root: Path, keep_room_for_one: bool):
-        """Accelerate's total_limit: the oldest checkpoint_<n> folders go so that the new one fits."""
-        limit = self.project_configuration.total_limit
-        if limit is None or not root.is_dir():
-            return
-        folders = sorted((int(m[1]), p) for p in root.iterdir() if (m := _ITERATION.fullmatch(p.name)))
-        excess = len(folders) + int(keep_room_for_one) - limit
-        for _, path in folders[: max(0, excess)]:
-            aside = path.with_name(f".old-{path.name}-{os.getpid()}")  # renamed first: never half-deleted
-            os.rename(path, aside)
-            shutil.rmtree(aside)
-
     # -- save --------------------------------------------------------------------------------------------
     def save_state(self, output_dir=None, safe_serialization: bool = True, **save_model_func_kwargs):
         """Accelerate's save_state: models, optimizers, schedulers, the GradScaler, every rank's RNG streams
         and the registered objects, in Accelerate's layout plus state.json and manifest.json. Every rank calls it."""
-        final = self._save_dir(output_dir)
+        final = destination(self.project_configuration, output_dir)
         weights = [self.get_state_dict(model) for model in self._models]  # collectives under fsdp
         optimizers = [optimizer.state_dict() for optimizer in self._optimizers]
         rng_states = self.gather_object([folder_format.rng_state(self.step)])
@@ -104,9 +74,7 @@ class CheckpointingMixin:
             hook(self._models, weights, str(final))
         with errors.all_ranks(self):  # a save the main process cannot write stops every rank, said once
             if self.is_main_process:
-                if self.project_configuration.automatic_checkpoint_naming:
-                    self._prune(final.parent, keep_room_for_one=True)
-                _refuse_foreign_files(final)
+                make_room(final, self.project_configuration)
                 self._write_state(final, weights, optimizers, rng_states, safe_serialization)
         self.project_configuration.iteration += 1
         return str(final)
@@ -132,7 +100,7 @@ class CheckpointingMixin:
             for i, obj in enumerate(self._custom_objects):
                 folder_format.save_checked(obj.state_dict(), temp / folder_format.custom_file(i))
             state = self._training_position()
-            (temp / folder_format.STATE_NAME).write_text(_json(state))
+            folder_format.write_state_json(temp, state)
             folder_format.seal(temp, {"checkpoint_format": "full", "step": self.step, "world_size": self.num_processes})
             folder_format.publish(temp, final)
         except BaseException:
@@ -182,7 +150,7 @@ class CheckpointingMixin:
             return path
         if not self.project_configuration.automatic_checkpoint_naming:
             raise UserError("load_state needs an input_dir (or ProjectConfiguration(automatic_checkpoint_naming=True)).")
-        root = Path(self._project_dir_or_refuse("load_state")) / "checkpoints"
+        root = Path(_project_dir_or_refuse(self.project_configuration, "load_state")) / "checkpoints"
         folders = sorted((int(m[1]), p) for p in (root.iterdir() if root.is_dir() else ())
                          if (m := _ITERATION.fullmatch(p.name)))
         if not folders:
@@ -259,6 +227,42 @@ def _register(hooks: dict, hook):
     return handle
 
 
+def destination(config, output_dir) -> Path:
+    """Where save_state writes: `output_dir`, or with automatic naming project_dir/checkpoints/checkpoint_<i>."""
+    if not config.automatic_checkpoint_naming:
+        if output_dir is None:
+            raise UserError("save_state needs an output_dir (or ProjectConfiguration(automatic_checkpoint_naming=True)).")
+        return Path(output_dir)
+    return Path(_project_dir_or_refuse(config, "save_state")) / "checkpoints" / f"checkpoint_{config.iteration}"
+
+
+def make_room(final: Path, config):
+    """On the main process before a save: an automatic name already taken is refused; Accelerate's total_limit
+    removes the oldest checkpoint_<n> folders so the new one fits; a folder holding other files is refused."""
+    if config.automatic_checkpoint_naming:
+        if final.exists():
+            raise UserError(f"checkpoint folder {final} already exists; set accelerator.project_configuration.iteration "
+                            f"to the iteration to continue from.")
+        _prune(final.parent, config.total_limit)
+    _refuse_foreign_files(final)
+
+
+def _project_dir_or_refuse(config, call):
+    if config.project_dir is None:
+        raise UserError(f"{call} with automatic checkpoint naming needs project_dir= (or a ProjectConfiguration).")
+    return config.project_dir
+
+
+def _prune(root: Path, limit):
+    if limit is None or not root.is_dir():
+        return
+    folders = sorted((int(m[1]), p) for p in root.iterdir() if (m := _ITERATION.fullmatch(p.name)))
+    for _, path in folders[: max(0, len(folders) + 1 - limit)]:
+        aside = path.with_name(f".old-{path.name}-{os.getpid()}")  # renamed first: never half-deleted
+        os.rename(path, aside)
+        shutil.rmtree(aside)
+
+
 def _refuse_foreign_files(final: Path):
     """save_state replaces its folder whole: refuse one that holds anything but a checkpoint's files."""
     if not final.exists():
@@ -294,9 +298,3 @@ def _write_weights(state_dict, directory: Path, max_shard_size, safe_serializati
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         name = "model.safetensors.index.json" if safe_serialization else "pytorch_model.bin.index.json"
         (directory / name).write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _json(state) -> str:
-    import json
-
-    return json.dumps(state, indent=2) + "\n"

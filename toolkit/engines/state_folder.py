@@ -210,6 +210,10 @@ def read_state_json(path: Path) -> dict:
     return state
 
 
+def write_state_json(folder: Path, state: dict):
+    (folder / STATE_NAME).write_text(json.dumps(state, indent=2) + "\n")
+
+
 def sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
