@@ -8,7 +8,6 @@ publishes it atomically; the other ranks learn whether it worked, so a failed sa
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import sys
@@ -258,9 +257,7 @@ def _prune(root: Path, limit):
         return
     folders = sorted((int(m[1]), p) for p in root.iterdir() if (m := _ITERATION.fullmatch(p.name)))
     for _, path in folders[: max(0, len(folders) + 1 - limit)]:
-        aside = path.with_name(f".old-{path.name}-{os.getpid()}")  # renamed first: never half-deleted
-        os.rename(path, aside)
-        shutil.rmtree(aside)
+        folder_format.remove_folder(path)
 
 
 def _refuse_foreign_files(final: Path):

@@ -161,6 +161,14 @@ def publish(temp: Path, final: Path):
         shutil.rmtree(aside)
 
 
+def remove_folder(path: Path):
+    """Delete a checkpoint folder, renamed to a hidden `.old-*` name first: a crash mid-delete leaves a leftover
+    that readers skip, never a half-deleted folder under a checkpoint's name."""
+    aside = path.with_name(f".old-{path.name}-{os.getpid()}")
+    os.rename(path, aside)
+    shutil.rmtree(aside)
+
+
 def verify_folder(path) -> None:
     """Raise UserError naming `path` unless every file in its manifest exists with the right size and sha256.
 

@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 from toolkit.errors import UserError
-from toolkit.engines.state_folder import (fsync as _fsync, indexed, is_accelerate_folder, publish as _publish, rng_file, rng_state,
-                                          save_checked as _save_pt, seal, set_rng_state,  # noqa: F401
-                                          verify_folder as verify_checkpoint)
+from toolkit.engines.state_folder import (fsync as _fsync, indexed, is_accelerate_folder, remove_folder, rng_file,
+                                          rng_state, save_checked as _save_pt, seal, verify_folder as verify_checkpoint)
+# Imported from here by checkpoint.py and sharded_checkpoint.py.
+from toolkit.engines.state_folder import publish as _publish, set_rng_state  # noqa: F401
 from toolkit.models.weights import save_model
 
 
@@ -100,11 +101,7 @@ def _write_pointer(root, name):
 def _prune(root, keep, newest):
     others = [p for p in list_checkpoints(root) if p != newest]
     for old in others[: max(0, len(others) - (keep - 1))]:
-        # Renaming first means a crash mid-delete leaves a hidden leftover, not a
-        # half-deleted `step-*` folder that readers would have to skip.
-        aside = old.with_name(f".old-{old.name}-{os.getpid()}")
-        os.rename(old, aside)
-        shutil.rmtree(aside)
+        remove_folder(old)
 
 
 def _remove_leftovers(root):
