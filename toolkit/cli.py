@@ -14,12 +14,13 @@ import sys
 
 from toolkit.engines import ENGINES
 from toolkit.errors import RunFailure, report
+from toolkit.launch.engine_specs import LAUNCH_DEFAULT
 
 
 def _launch_parser(sub):
     p = sub.add_parser("launch", help="start a script under an engine with an accelerate profile")
     p.add_argument("--config_file", "--config-file", required=True, help="accelerate YAML profile")
-    p.add_argument("--engine", choices=sorted(ENGINES), help="default: TOOLKIT_ENGINE, else accelerate")
+    p.add_argument("--engine", choices=sorted(ENGINES), help=f"default: TOOLKIT_ENGINE, else {LAUNCH_DEFAULT}")
     p.add_argument("--num_processes", "--num-processes", type=int, help="override the profile (all machines)")
     p.add_argument("--machine_rank", "--machine-rank", type=int, help="this machine's rank (multi-node)")
     p.add_argument("--main_process_port", "--main-process-port", type=int, help="override the profile's port")
@@ -52,8 +53,8 @@ class _OptionsThenScript(argparse.Action):
 def _parity_parser(sub):
     options = _Parser(add_help=False, prog="toolkit parity")
     for side in "ab":
-        options.add_argument(f"--engine-{side}", f"--engine_{side}", choices=sorted(ENGINES), default="accelerate",
-                             help=f"engine of run {side.upper()} (default: accelerate)")
+        options.add_argument(f"--engine-{side}", f"--engine_{side}", choices=sorted(ENGINES), default=LAUNCH_DEFAULT,
+                             help=f"engine of run {side.upper()} (default: {LAUNCH_DEFAULT})")
         options.add_argument(f"--num-processes-{side}", f"--num_processes_{side}", type=int, metavar="N",
                              help=f"override the processes of {side.upper()}.yaml (all machines)")
         options.add_argument(f"--args-{side}", f"--args_{side}", default="", metavar="ARGS",

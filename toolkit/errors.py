@@ -4,14 +4,13 @@
 while running (a dead peer, a non-finite loss) after which the checkpoints on disk are still good.
 
 With several processes the sentence is said once: the first rank that fails says it (the others learn of
-it through the job's rendezvous store, or through `settle` below) and the other ranks exit with the same
-code without a word. Before the process group exists, only each node's local rank 0 speaks: every rank
-checks the same flags and would say the same thing.
+it through the job's rendezvous store, or through `settle` in toolkit/engines/collectives.py) and the other
+ranks exit with the same code without a word. Before the process group exists, only each node's local rank 0
+speaks: every rank checks the same flags and would say the same thing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -42,14 +41,11 @@ class PeerFailure(RunFailure):
         self.exit_code = exit_code
 
 
-# True once the main process of this job draws a progress bar on the terminal this process shares (set by
-# the training loop on the other ranks): their sentence then starts a line of its own, not the bar's end.
-progress_elsewhere = False
-
-
-def report(error: BaseException, stream=None) -> int:
+def report(error: BaseException, stream=None, own_line: bool = False) -> int:
+    """Print `error` as one sentence; `own_line` starts it on a new line (another process's progress bar may end
+    the line). Returns its exit code."""
     stream = stream or sys.stderr
-    line = ("\n" if progress_elsewhere else "") + f"error: {error}"
+    line = ("\n" if own_line else "") + f"error: {error}"
     if "tqdm" in sys.modules:  # a progress bar of this process still on the line: tqdm moves it out of the way
         from tqdm import tqdm
 
@@ -145,18 +141,18 @@ def write_error_file(error: RunFailure, said: bool):
         pass
 
 
-def say(error: RunFailure) -> bool:
+def say(error: RunFailure, own_line: bool = False) -> bool:
     """Print `error` if this rank is the one to say it (see `speaks`); True when it did."""
     said = speaks(error)
     if said:
         # The real stderr: torch.distributed's own hook swaps sys.stderr for a buffer around ours.
-        report(error, stream=sys.__stderr__)
+        report(error, stream=sys.__stderr__, own_line=own_line)
     return said
 
 
-def exit_for(error: RunFailure):
+def exit_for(error: RunFailure, own_line: bool = False):
     """Say `error` (if this rank is the one to say it), then leave at once with its code."""
-    said = say(error)
+    said = say(error, own_line)
     write_error_file(error, said)
     sys.stdout.flush()
     if not said and not error.quiet:
@@ -167,69 +163,23 @@ def exit_for(error: RunFailure):
     os._exit(error.exit_code)  # skip interpreter teardown: a half-formed or broken process group can hang it
 
 
-def install_excepthook():
+def install_excepthook(own_line: bool = False):
     """Make an uncaught RunFailure print one line (once per job) and exit with its code, in any script that
-    builds an engine; a collective broken because a peer already failed ends this rank quietly."""
-    previous = sys.excepthook
-    if getattr(previous, "_toolkit", False):
-        return
+    builds an engine; a collective broken because a peer already failed ends this rank quietly. `own_line`
+    (a non-main rank of a multi-process run, where the main process may draw a progress bar) starts the
+    sentence on a new line; once asked, it stays."""
+    hook = sys.excepthook
+    if not getattr(hook, "_toolkit", False):
+        previous = hook
 
-    def hook(kind, value, traceback):
-        if isinstance(value, RunFailure):
-            exit_for(value)
-        code = peer_failure_code()
-        if code is not None:  # our collective broke because that peer left: it has said why
-            exit_for(PeerFailure(code))
-        previous(kind, value, traceback)
+        def hook(kind, value, traceback):
+            if isinstance(value, RunFailure):
+                exit_for(value, hook.own_line)
+            code = peer_failure_code()
+            if code is not None:  # our collective broke because that peer left: it has said why
+                exit_for(PeerFailure(code), hook.own_line)
+            previous(kind, value, traceback)
 
-    hook._toolkit = True
-    sys.excepthook = hook
-
-
-def settle(engine, error: BaseException | None):
-    """Every rank calls this at the same point: if any rank failed, all of them stop. The first failing
-    rank raises its own error; the others raise a quiet PeerFailure with its exit code. This shares a
-    failure before the next barrier instead of leaving the peers to time out or crash there."""
-    if engine.num_processes > 1:
-        import torch
-
-        code = 0 if error is None else getattr(error, "exit_code", 1)
-        codes = engine.gather(torch.tensor([code], device=engine.device)).tolist()
-        failed = [rank for rank, c in enumerate(codes) if c]
-        if failed and (error is None or engine.process_index != failed[0]):
-            raise PeerFailure(codes[failed[0]], failed[0])
-    if error is not None:
-        raise error
-
-
-@contextlib.contextmanager
-def all_ranks(engine):
-    """Run a block on every rank and stop them all if it fails on any (a file one rank cannot read).
-
-    >>> from toolkit.engines import build_accelerator
-    >>> with all_ranks(build_accelerator("single")):
-    ...     pass
-    """
-    error = None
-    try:
-        yield
-    except Exception as caught:  # a bug too: its peers must not wait for it at the next collective
-        error = caught
-    settle(engine, error)
-
-
-@contextlib.contextmanager
-def main_process_first(engine):
-    """The main process runs the block first (one download), then the others; a failure on either side
-    ends every rank, said once."""
-    main = engine.is_main_process
-    if not main:
-        settle(engine, None)  # meets the main process after its turn; raises quietly if it failed
-    error = None
-    try:
-        yield
-    except Exception as caught:
-        error = caught
-    if main:
-        settle(engine, error)
-    settle(engine, None if main else error)
+        hook._toolkit, hook.own_line = True, False
+        sys.excepthook = hook
+    hook.own_line = hook.own_line or own_line

@@ -1,7 +1,8 @@
 """What `toolkit parity` records inside the script it runs, through the engine, without the script knowing.
 
 `toolkit parity` starts each run with two environment variables: TOOLKIT_PARITY_DIR (a folder) and
-TOOLKIT_PARITY_STEPS (K). Every engine then builds a `ParityRecorder`, which
+TOOLKIT_PARITY_STEPS (K). Every engine then gets a `ParityRecorder` as an observer (toolkit/__init__.py
+registers `build_recorder` with toolkit/engines/observers.py), which
 - in `backward(loss)` records the loss averaged over ranks (one small all-reduce), averaged again over
   the micro-steps of an accumulated optimizer step;
 - at the first training-mode forward notes what can make two setups differ legitimately: the batch
@@ -10,10 +11,10 @@ TOOLKIT_PARITY_STEPS (K). Every engine then builds a `ParityRecorder`, which
   micro-steps and skipped steps do not count) saves the unwrapped models' weights on the main process,
   then stops every rank cleanly: barrier, `end_training()`, exit code 0.
 
-Without TOOLKIT_PARITY_DIR an engine gets `NoRecorder`, whose hooks do nothing.
+Without TOOLKIT_PARITY_DIR an engine gets no recorder.
 
->>> build_recorder(engine=None, environ={})
-NoRecorder()
+>>> build_recorder(engine=None, environ={}) is None
+True
 """
 
 from __future__ import annotations
@@ -63,22 +64,10 @@ class ParityStop(SystemExit):
         super().__init__(0)
 
 
-class NoRecorder:
-    """The recorder when no parity run was asked for: every hook is a no-op."""
-
-    def prepared(self, results):
-        pass
-
-    def backward(self, loss):
-        pass
-
-    def __repr__(self):
-        return "NoRecorder()"
-
-
-def build_recorder(engine, environ: Mapping[str, str] | None = None):
+def build_recorder(engine, environ: Mapping[str, str] | None = None) -> ParityRecorder | None:
+    """The engine's recorder when `toolkit parity` started this process, else None."""
     request = read_parity_request(environ)
-    return NoRecorder() if request is None else ParityRecorder(engine, request)
+    return None if request is None else ParityRecorder(engine, request)
 
 
 def _raw_optimizer(optimizer):
@@ -187,7 +176,7 @@ class ParityRecorder:
         }
 
     def _save_and_stop(self):
-        from toolkit.models.weights import save_model
+        from toolkit.engines.weights import save_model
 
         engine = self.engine
         states = [engine.get_state_dict(model) for model in self.models]  # every rank: fsdp gathers its shards

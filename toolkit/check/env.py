@@ -24,9 +24,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
 
-import toolkit
 from toolkit.engines import FSDP_WITHOUT_CUDA, resolve_engine
 from toolkit.errors import UserError
+from toolkit.launch.engine_specs import LAUNCH_DEFAULT, engine_spec, engines_where
 from toolkit.launch.env import read_launch_env
 from toolkit.launch.launcher import (
     check_devices,
@@ -72,7 +72,7 @@ def versions() -> dict:
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "cudnn": cudnn, "nccl": nccl, "accelerate": _package_version("accelerate"),
-            "datasets": _package_version("datasets"), "toolkit": toolkit.__version__}
+            "datasets": _package_version("datasets"), "toolkit": _package_version("toolkit")}
 
 
 def devices(environ: Mapping[str, str]) -> dict:
@@ -160,7 +160,7 @@ def as_launched(profile: Profile | None, environ: Mapping[str, str]) -> tuple[Pr
 
 def toolkit_launch(profile: Profile | None, environ: Mapping[str, str], gpus: int) -> tuple[dict, list[Finding]]:
     """What `toolkit launch --config_file PROFILE script.py` would start (engine, command, launcher notes)."""
-    engine = environ.get("TOOLKIT_ENGINE") or "accelerate"
+    engine = environ.get("TOOLKIT_ENGINE") or LAUNCH_DEFAULT
     info = {"engine": engine, "engine_reason": "TOOLKIT_ENGINE" if environ.get("TOOLKIT_ENGINE") else "default",
             "command": None, "notes": [], "runs": engine}
     if profile is None:
@@ -177,13 +177,15 @@ def fsdp_findings(profile: Profile, engine: str, gpus: int, info: dict) -> list[
     """An FSDP profile must shard: say which engine really runs it when that is not accelerate's FSDP."""
     if profile.distributed_type != "FSDP":
         return []
-    if engine == "accelerate" and runs_on(profile, gpus) == "cpu":
-        info["runs"] = "fsdp"
+    spec = engine_spec(engine)
+    if spec.fsdp_without_cuda and runs_on(profile, gpus) == "cpu":
+        info["runs"] = spec.fsdp_without_cuda
         return [Finding("warning", "fsdp-without-cuda", FSDP_WITHOUT_CUDA)]
-    if engine in ("ddp", "dp", "single"):
+    if not spec.shards:
+        sharding = engines_where(lambda s: s.shards and not s.fsdp_without_cuda)
         return [Finding("warning", "fsdp-profile-replicated", (
             f"{profile.path} asks for FSDP but the {engine} engine keeps a whole copy of the model in every process; "
-            "use --engine fsdp (or accelerate on GPUs) to shard it."))]
+            f"use --engine {sharding} (or {engines_where(lambda s: bool(s.fsdp_without_cuda))} on GPUs) to shard it."))]
     return []
 
 

@@ -1,12 +1,13 @@
 """The engine factory: the only place that chooses between engines.
 
-Which engine runs, in order of precedence:
+The engines and their properties are rows of toolkit/launch/engine_specs.py. Which engine runs, in order of
+precedence:
 1. `build_accelerator(engine=...)` when it is not "auto";
 2. the TOOLKIT_ENGINE environment variable (`toolkit launch --engine E` sets it for its children);
 3. "auto", from how the process was launched: `accelerate launch` -> accelerate; torchrun, the legacy
    torch.distributed.launch, toolkit.spawn, srun and mpirun -> ddp; plain `python` -> single.
-An accelerate engine asked for FSDP (an FSDP profile) where accelerate cannot run it (no CUDA) becomes the
-fsdp engine, with a one-line notice: accelerate itself would train DDP without a word.
+An engine asked for FSDP (an FSDP profile) where it cannot shard without CUDA (accelerate) becomes the engine its
+row names instead (fsdp), with a one-line notice: accelerate itself would train DDP without a word.
 """
 
 from __future__ import annotations
@@ -14,25 +15,11 @@ from __future__ import annotations
 import importlib
 
 from toolkit.errors import UserError, install_excepthook
+from toolkit.launch.engine_specs import AUTO_BY_LAUNCHER, ENGINE_SPECS
 from toolkit.launch.env import LaunchEnv, read_launch_env
 
-# Imported lazily so that choosing ddp never imports accelerate.
-ENGINES = {
-    "accelerate": "toolkit.engines.accelerate_engine:AccelerateEngine",
-    "ddp": "toolkit.engines.ddp:RawDDPEngine",
-    "dp": "toolkit.engines.dp:DataParallelEngine",
-    "fsdp": "toolkit.engines.fsdp:FSDPEngine",
-    "single": "toolkit.engines.single:SingleEngine",
-}
-AUTO_BY_LAUNCHER = {
-    "accelerate": "accelerate",
-    "torchrun": "ddp",
-    "torch.distributed.launch": "ddp",
-    "spawn": "ddp",
-    "slurm": "ddp",
-    "mpi": "ddp",
-    "python": "single",
-}
+# name -> "module:Class", imported lazily so that choosing ddp never imports accelerate.
+ENGINES = {name: spec.builds for name, spec in ENGINE_SPECS.items()}
 
 
 # Accelerate 1.16 turns FSDP on only for GPU-type states: on CPU (no CUDA, or use_cpu) it trains plain DDP.
@@ -65,8 +52,9 @@ def build_accelerator(engine: str = "auto", **kwargs):
     >>> accelerator.num_processes
     1
     """
-    install_excepthook()
     env = read_launch_env()
+    # A non-main rank's sentence starts a line of its own: the main process's progress bar may be on the terminal.
+    install_excepthook(own_line=env.world_size > 1 and env.rank != 0)
     if env.accelerate_lost_processes:
         raise UserError(
             "accelerate launch was asked for several processes but started only this one (a MULTI_CPU profile "
@@ -78,16 +66,16 @@ def build_accelerator(engine: str = "auto", **kwargs):
         from toolkit.launch.rendezvous import pin_gloo_interface
 
         pin_gloo_interface(env.master_addr)
-    name = resolve_engine(engine, env)
-    if name == "accelerate" and env.accelerate_fsdp and accelerate_drops_fsdp(env.use_cpu or kwargs.get("cpu")):
+    spec = ENGINE_SPECS[resolve_engine(engine, env)]
+    if spec.fsdp_without_cuda and env.accelerate_fsdp and accelerate_drops_fsdp(env.use_cpu or kwargs.get("cpu")):
         if env.rank == 0:
             print(f"[toolkit] {FSDP_WITHOUT_CUDA}", flush=True)
-        name = "fsdp"
-    module_name, class_name = ENGINES[name].split(":")
+        spec = ENGINE_SPECS[spec.fsdp_without_cuda]
+    module_name, class_name = spec.builds.split(":")
     engine_class = getattr(importlib.import_module(module_name), class_name)
     built = engine_class(env, **kwargs)
     check_world(built, env)
-    if name != "accelerate":
+    if not spec.accelerator:  # a real Accelerator keeps its own state
         from toolkit.engines.accelerate_settings import share_state_with_accelerate
 
         share_state_with_accelerate(built)

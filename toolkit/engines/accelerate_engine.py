@@ -8,9 +8,11 @@ makes the first case a real gloo group; the factory refuses the second before tr
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import random
+import sys
 import types
 import weakref
 
@@ -20,15 +22,16 @@ from torch.nn.parallel import DistributedDataParallel
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 
-from toolkit import errors
+from toolkit.engines import collectives
 from toolkit.engines.base import cpu_requested
 from toolkit.engines.ddp import DEFAULT_TIMEOUT_S, attempt_store, nccl_error_handling, release_ddp_wrappers
 from toolkit.engines.accelerate_state import load_state_verified, save_state_atomically
 from toolkit.engines.prepared import has_gradients
+from toolkit.engines.state_folder import check_checkpoint_format
 from toolkit.engines.trackers import tensors_to_numbers
+from toolkit.engines.observers import EngineObservers
 from toolkit.engines.tracking import for_accelerate
 from toolkit.errors import UserError
-from toolkit.check.capture import build_recorder
 
 
 def _cache_lomo_probe():
@@ -81,8 +84,9 @@ class AccelerateEngine:
 
     name = "accelerate"
 
-    def __init__(self, env, *, timeout: float | None = None, **kwargs):
+    def __init__(self, env, *, timeout: float | None = None, checkpoint_format: str = "full", **kwargs):
         self.env = env
+        self.checkpoint_format = check_checkpoint_format(checkpoint_format)  # save_state's: "full" or "sharded"
         self.seed = 0
         if "cpu" not in kwargs and cpu_requested():  # no CUDA, or a CPU profile on a GPU host; cpu= given wins
             kwargs["cpu"] = True
@@ -106,7 +110,7 @@ class AccelerateEngine:
             self.accelerator = Accelerator(**kwargs)
         except (ValueError, TypeError) as error:
             raise UserError(f"accelerate refused the settings: {error}") from None
-        self._recorder = build_recorder(self)  # `toolkit parity` only; otherwise its hooks do nothing
+        self._observers = EngineObservers(self)  # `toolkit parity`'s recorder, when it runs
         self._wrapped = []  # weak references to the DDP modules accelerate made
 
     def __getattr__(self, name):
@@ -132,11 +136,11 @@ class AccelerateEngine:
                 _count_skipped_steps(obj, self)
             if isinstance(obj, DistributedDataParallel):
                 self._wrapped.append(weakref.ref(obj))
-        self._recorder.prepared(prepared if len(objects) != 1 else (prepared,))
+        self._observers.prepared(prepared if len(objects) != 1 else (prepared,))
         return prepared
 
     def backward(self, loss, **kwargs):
-        self._recorder.backward(loss)
+        self._observers.backward(loss)
         self.accelerator.backward(loss, **kwargs)
 
     def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None):
@@ -160,7 +164,15 @@ class AccelerateEngine:
 
     def main_process_first(self):
         """Accelerate's order, but a failure on the main process ends the others instead of breaking their barrier."""
-        return errors.main_process_first(self)
+        return collectives.main_process_first(self)
+
+    def gathered_parameters(self, model):
+        """The model's full parameters until exit where Accelerate sharded it with FSDP2; a no-op otherwise."""
+        if "torch.distributed.fsdp" not in sys.modules:  # nothing can be sharded: skip importing FSDP
+            return contextlib.nullcontext()
+        from toolkit.engines.fsdp import full_parameters
+
+        return full_parameters(model)
 
     def set_seed(self, seed: int, device_specific: bool = True):
         """Seed every RNG (plus the rank when device_specific) and the samplers' data order."""

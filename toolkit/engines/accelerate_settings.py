@@ -34,7 +34,7 @@ class AccelerateSettingsMixin:
 
     multi_device = property(lambda self: self.num_processes > 1)
     should_save_model = property(lambda self: self.is_main_process)
-    is_fsdp2 = property(lambda self: self.name == "fsdp")
+    is_fsdp2 = False  # the fsdp engine says True
     data_parallel_rank = data_parallel_shard_rank = property(lambda self: self.process_index)
     # What Accelerate's settings read as here: one data-parallel dimension, even seeded loaders.
     tensor_parallel_rank = pipeline_parallel_rank = context_parallel_rank = 0

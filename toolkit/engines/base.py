@@ -21,13 +21,15 @@ from torch.utils.data import DataLoader
 
 from toolkit.errors import UserError
 from toolkit.launch.env import LaunchEnv
-from toolkit.check.capture import build_recorder
 from toolkit.engines.accelerate_settings import AccelerateSettingsMixin, release_accelerate_state
 from toolkit.engines.checkpointing import CheckpointingMixin, ProjectConfiguration
+from toolkit.engines.observers import EngineObservers
 from toolkit.engines.processes import ProcessesMixin
+from toolkit.engines.state_folder import check_checkpoint_format
 from toolkit.engines.tracking import TrackingMixin, check_trackers
 from toolkit.engines.prepared import (PreparedDataLoader, PreparedOptimizer, PreparedScheduler, has_gradients,
                                       map_tensors)
+from toolkit.engines.weights import unwrap_model
 
 MIXED_PRECISION = ("no", "fp16", "bf16")
 
@@ -68,6 +70,9 @@ class AcceleratorAPI(Protocol):
     def clip_grad_value_(self, parameters, clip_value): ...
     def unscale_gradients(self, optimizer=None): ...
     def skip_first_batches(self, dataloader, num_batches: int = 0): ...
+    # not Accelerate's: `with accelerator.gathered_parameters(model):` forwards without collectives
+    # (each rank may then evaluate a different number of batches); a no-op unless the engine shards the model
+    def gathered_parameters(self, model): ...
     # collectives
     def gather(self, tensor): ...
     def gather_for_metrics(self, input_data, use_gather_object: bool = False): ...
@@ -141,6 +146,7 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
     def __init__(self, env: LaunchEnv, *, mixed_precision: str | None = None, gradient_accumulation_steps: int = 1,
                  split_batches: bool = False, step_scheduler_with_optimizer: bool = True, cpu: bool = False,
                  timeout: float | None = None,  # seconds a collective waits; only engines with peers use it
+                 checkpoint_format: str = "full",  # save_state's: "full", or "sharded" (each rank its own shards)
                  device_placement: bool = True, dataloader_config=None, log_with=None, project_dir=None,
                  project_config=None, gradient_accumulation_plugin=None, kwargs_handlers=None, rng_types=None,
                  dynamo_backend=None, **accelerate_only):
@@ -153,6 +159,7 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
         if steps < 1:
             raise UserError(f"gradient_accumulation_steps must be at least 1, not {steps}.")
         self.env = env
+        self.checkpoint_format = check_checkpoint_format(checkpoint_format)
         self.mixed_precision = mixed_precision
         self.gradient_accumulation_steps = steps
         self.sync_with_dataloader = getattr(plugin, "sync_with_dataloader", True)
@@ -184,7 +191,7 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
         if mixed_precision == "fp16" and self.device.type != "cuda":
             raise UserError("fp16 mixed precision needs a CUDA device; use bf16 (or no) on CPU.")
         self.scaler = torch.amp.GradScaler("cuda", **self._scaler_kwargs) if mixed_precision == "fp16" else None
-        self._recorder = build_recorder(self)  # `toolkit parity` only; otherwise its hooks do nothing
+        self._observers = EngineObservers(self)  # `toolkit parity`'s recorder, when it runs
 
     # -- world ---------------------------------------------------------------------------------------
     def _select_device(self) -> torch.device:
@@ -239,7 +246,7 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
     def prepare(self, *objects, device_placement=None):
         """Prepare models, optimizers, data loaders and schedulers, in any order; returns them in order."""
         prepared = [self._prepare_one(obj) for obj in objects]
-        self._recorder.prepared(prepared)
+        self._observers.prepared(prepared)
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
     def _prepare_one(self, obj):
@@ -285,9 +292,11 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
         return model
 
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
-        from toolkit.models.weights import unwrap_model
-
         return unwrap_model(model)
+
+    def gathered_parameters(self, model):
+        """The model's full parameters on every rank until exit: a replicated model holds them already."""
+        return contextlib.nullcontext()
 
     def get_state_dict(self, model, unwrap: bool = True):
         """Accelerate's name: the model's full state dict on the main process (a replicated model holds it
@@ -337,7 +346,7 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
         return contextlib.nullcontext()
 
     def backward(self, loss, **kwargs):
-        self._recorder.backward(loss)
+        self._observers.backward(loss)
         loss = loss / self.gradient_accumulation_steps
         if self.scaler is not None:
             loss = self.scaler.scale(loss)

@@ -9,7 +9,8 @@ import sys
 
 import torch
 
-from toolkit.engines.base import TorchEngine
+from toolkit.engines.base import TorchEngine, amp_dtype
+from toolkit.errors import UserError
 
 
 class AutocastModule(torch.nn.Module):
@@ -17,7 +18,7 @@ class AutocastModule(torch.nn.Module):
     replica thread enters autocast itself: `parallel_apply` restarts autocast in its threads without a dtype,
     which on CUDA means fp16 (and no GradScaler) even when bf16 was asked for."""
 
-    is_toolkit_wrapper = True  # toolkit.models.weights.unwrap_model looks through it
+    is_toolkit_wrapper = True  # toolkit.engines.weights.unwrap_model looks through it
 
     def __init__(self, module, device_type, dtype):
         super().__init__()
@@ -38,8 +39,6 @@ class DataParallelEngine(TorchEngine):
 
     def __init__(self, env, **kwargs):
         if env.world_size > 1:
-            from toolkit.errors import UserError
-
             raise UserError(
                 f"the dp engine runs in one process but this one was launched as rank {env.rank} of "
                 f"{env.world_size}; launch it with plain `python` (or choose --engine ddp)."
@@ -64,7 +63,5 @@ class DataParallelEngine(TorchEngine):
         if plain is not model:
             print(f"[toolkit] dp engine: torch.compile does not survive DataParallel's replication over "
                   f"{len(self.device_ids)} GPUs; the model runs uncompiled (--engine ddp compiles it).")
-        if self.mixed_precision == "no":
-            return plain
-        dtype = torch.bfloat16 if self.mixed_precision == "bf16" else torch.float16
-        return AutocastModule(plain, self.device.type, dtype)
+        dtype = amp_dtype(self.mixed_precision)
+        return plain if dtype is None else AutocastModule(plain, self.device.type, dtype)

@@ -216,6 +216,7 @@ class FSDPOptimizer(PreparedOptimizer):
 class FSDPEngine(RawDDPEngine):
     name = "fsdp"
     distributed_type = "FSDP"  # Accelerate's DistributedType value
+    is_fsdp2 = True
 
     def __init__(self, env, **kwargs):
         super().__init__(env, **kwargs)
@@ -292,7 +293,7 @@ class FSDPEngine(RawDDPEngine):
         models = {id(o): self.prepare_model(o) for o in objects if isinstance(o, torch.nn.Module)}
         self._models += models.values()
         prepared = [models[id(o)] if id(o) in models else self._prepare_one(o) for o in objects]
-        self._recorder.prepared(prepared)
+        self._observers.prepared(prepared)
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
     def _no_sync(self, model):
@@ -318,6 +319,10 @@ class FSDPEngine(RawDDPEngine):
         for group in groups:  # one foreach call cannot mix DTensor and plain gradients
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
         return total
+
+    def gathered_parameters(self, model):
+        """Every block of the model unsharded until exit (see `full_parameters`)."""
+        return full_parameters(model)
 
     def get_state_dict(self, model, unwrap: bool = True):
         """The full, unsharded state dict on the main process (a collective: call it on every rank; the

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from toolkit import errors
+from toolkit.engines import collectives
 from toolkit.engines.prepared import map_tensors
 
 
@@ -26,7 +26,7 @@ class ProcessesMixin:
     # -- which process runs ------------------------------------------------------------------------------
     def main_process_first(self):
         """The main process runs the block first; a failure on any rank ends every rank, said once."""
-        return errors.main_process_first(self)
+        return collectives.main_process_first(self)
 
     @contextlib.contextmanager
     def local_main_process_first(self):

@@ -24,11 +24,9 @@ import sys
 from dataclasses import dataclass
 from typing import NoReturn
 
-from toolkit.launch import rendezvous
-from toolkit.engines import ENGINES
-
-TORCHRUN_ENGINES = ("ddp", "fsdp")  # one process per device, started by torchrun
 from toolkit.errors import UserError
+from toolkit.launch import rendezvous
+from toolkit.launch.engine_specs import LAUNCH_DEFAULT, engine_spec, engines_where
 from toolkit.launch.env import LaunchEnv, read_launch_env
 from toolkit.launch.profiles import Profile, check_profile, load_profile
 
@@ -108,8 +106,9 @@ def _rendezvous(profile: Profile) -> tuple[str, int, list[str]]:
 
 def _multi_node(profile: Profile, engine: str, environ) -> tuple[dict, list[str], list[str]]:
     """Environment, extra torchrun arguments and notes for one machine of a multi-node job."""
-    if engine not in ("accelerate", *TORCHRUN_ENGINES):
-        raise UserError(f"the {engine} engine runs on one machine; use --engine ddp, fsdp or accelerate for "
+    if not engine_spec(engine).process_group:
+        grouped = engines_where(lambda spec: spec.process_group)
+        raise UserError(f"the {engine} engine runs on one machine; use --engine {grouped} for "
                         f"num_machines {profile.num_machines}.")
     env, args, notes = {}, [], []
     try:
@@ -124,7 +123,7 @@ def _multi_node(profile: Profile, engine: str, environ) -> tuple[dict, list[str]
         # torchrun guesses from this host's name whether it hosts the rendezvous store and what address the
         # other nodes reach it at; a name that resolves to 127.0.0.1 breaks both, so say it outright.
         args = ["--rdzv_conf", f"is_host={int(profile.machine_rank == 0)}"]
-        if engine in TORCHRUN_ENGINES and local_ip:
+        if engine_spec(engine).launcher == "torchrun" and local_ip:
             args += ["--local_addr", local_ip]
     return env, args, notes
 
@@ -176,11 +175,10 @@ def _torchrun_command(profile: Profile, max_restarts: int, notes: list) -> list:
 def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus: int | None = None,
                 max_restarts: int = 0, environ=None) -> LaunchPlan:
     """The command and environment that start `script_and_args` under `engine` with `profile`."""
-    if engine not in ENGINES:
-        raise UserError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}.")
+    spec = engine_spec(engine)
     environ = os.environ if environ is None else environ
     gpus = visible_gpus() if gpus is None else gpus
-    notes = check_devices(profile, gpus) if engine in ("accelerate", *TORCHRUN_ENGINES) else []
+    notes = check_devices(profile, gpus) if spec.process_group else []
     env = {"TOOLKIT_ENGINE": engine, "ACCELERATE_MIXED_PRECISION": profile.mixed_precision}
     cpu_profile = profile.use_cpu or profile.distributed_type == "MULTI_CPU"
     if cpu_profile:
@@ -197,11 +195,11 @@ def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus:
             # did not fail) keeps its restart count: the old round's keys and mismatched per-attempt prefixes
             # would meet in it. A fresh store per round, hosted by the new rank 0, leaves nothing stale.
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    if engine == "accelerate":
+    if spec.launcher == "accelerate":
         command, multi = _accelerate_command(profile, gpus, max_restarts, notes)
         return LaunchPlan(command + node_args + list(script_and_args), env, tuple(notes), 0 if multi else max_restarts,
                           agent_here=multi and profile.num_machines == 1)
-    if engine in TORCHRUN_ENGINES:
+    if spec.launcher == "torchrun":
         command = _torchrun_command(profile, max_restarts, notes)
         return LaunchPlan(command + node_args + list(script_and_args), env, tuple(notes),
                           agent_here=profile.num_machines == 1)
@@ -300,9 +298,11 @@ def launch(args) -> int:
     if overrides:
         profile = dataclasses.replace(profile, **overrides)
         check_profile(profile)
-    engine = args.engine or os.environ.get("TOOLKIT_ENGINE") or "accelerate"
-    if engine == "dp" and args.num_processes not in (None, 1):
-        raise UserError("the dp engine drives every GPU from one process; drop --num_processes or use --engine ddp.")
+    engine = args.engine or os.environ.get("TOOLKIT_ENGINE") or LAUNCH_DEFAULT
+    if engine_spec(engine).every_gpu and args.num_processes not in (None, 1):
+        per_gpu = engines_where(lambda spec: spec.process_group)
+        raise UserError(f"the {engine} engine drives every GPU from one process; drop --num_processes or use "
+                        f"--engine {per_gpu} (one process per GPU).")
     if not args.script:
         raise UserError("no script given: toolkit launch --config_file PROFILE [options] script.py [args ...].")
     if not os.path.isfile(args.script[0]):

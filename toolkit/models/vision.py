@@ -76,7 +76,7 @@ def _probe(model, name: str, image_size: int, num_classes: int):
 def start_from_weights(model: torch.nn.Module, path: str, say) -> None:
     """Load a state dict from `path` into `model`; tensors whose shape differs from the model's (a classifier
     head for another class count) are left as initialised, which `say` reports in one line."""
-    from toolkit.models.weights import read_weights, strip_wrapper_prefixes, load_model
+    from toolkit.engines.weights import read_weights, strip_wrapper_prefixes, load_model
 
     expected = model.state_dict()
     weights = strip_wrapper_prefixes(read_weights(path), expected)

@@ -1,0 +1,147 @@
+"""Imports flow one way through the toolkit's layers (STYLE.md): errors/config <- launch <- engines <- data/models
+<- train <- check <- cli and the package itself. Every import counts: at the top of a module or inside a function,
+`import toolkit.x`, `from toolkit.x import y`, `from toolkit import x` and relative ones. A lower layer that needs
+to call up exposes a hook instead (toolkit/engines/observers.py)."""
+
+import ast
+from pathlib import Path
+
+TOOLKIT = Path(__file__).resolve().parents[1] / "toolkit"
+
+# Bottom first. A module may import its own part and the parts of the rows below it; parts on one row (data and
+# models) may import each other only while no cycle forms between them. "toolkit" is the package's __init__ alone;
+# the recipes sit on top beside it (they are not scanned, but no toolkit module may import them).
+LAYERS = [
+    ("toolkit.errors", "toolkit.config"),
+    ("toolkit.launch",),
+    ("toolkit.engines",),
+    ("toolkit.data", "toolkit.models"),
+    ("toolkit.train",),
+    ("toolkit.check",),
+    ("toolkit.cli", "toolkit", "recipes"),
+]
+ROW = {part: row for row, parts in enumerate(LAYERS) for part in parts}
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """Every module under `root` (a `toolkit` folder) by its dotted name; a package by its __init__."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = [root.name, *path.relative_to(root).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def part_of(module: str) -> str | None:
+    """The layer part a module belongs to: the longest part naming it or a package above it."""
+    if module == "toolkit":
+        return "toolkit"
+    parts = [p for p in ROW if p != "toolkit" and (module == p or module.startswith(p + "."))]
+    return max(parts, key=len, default=None)
+
+
+def imports_of(module: str, path: Path, known: dict[str, Path]) -> list[tuple[int, str]]:
+    """(line, imported toolkit module) for every import in the file, function-level ones included."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: climb from this module's package
+                anchor = package
+                for _ in range(node.level - 1):
+                    anchor = anchor.rpartition(".")[0]
+                base = f"{anchor}.{base}" if base else anchor
+            for alias in node.names:  # `from toolkit import errors` imports the module toolkit.errors
+                submodule = f"{base}.{alias.name}"
+                found.append((node.lineno, submodule if submodule in known else base))
+    return sorted((line, name) for line, name in found if name.split(".")[0] in ("toolkit", "recipes"))
+
+
+def all_imports(root: Path) -> list[tuple[str, int, str]]:
+    known = modules(root)
+    return [(module, line, target)
+            for module, path in known.items() for line, target in imports_of(module, path, known)]
+
+
+def upward_imports(root: Path) -> list[str]:
+    """`module -> imported module (line N)` for each import of a higher layer."""
+    return [f"{module} -> {target} (line {line})" for module, line, target in all_imports(root)
+            if ROW[part_of(target) or "toolkit"] > ROW[part_of(module) or "toolkit"]]
+
+
+def part_cycles(root: Path) -> list[str]:
+    """Each cycle in the graph of imports between parts, as `a -> b -> a`."""
+    edges: dict[str, set[str]] = {}
+    for module, _, target in all_imports(root):
+        a, b = part_of(module), part_of(target)
+        if a and b and a != b:
+            edges.setdefault(a, set()).add(b)
+    cycles, done = set(), set()
+
+    def visit(part, path):
+        if part in path:
+            loop = path[path.index(part):]
+            start = loop.index(min(loop))  # one spelling per cycle
+            cycles.add(" -> ".join(loop[start:] + loop[:start] + [min(loop)]))
+            return
+        if part in done:
+            return
+        for nxt in sorted(edges.get(part, ())):
+            visit(nxt, path + [part])
+        done.add(part)
+
+    for part in sorted(edges):
+        visit(part, [])
+    return sorted(cycles)
+
+
+def test_every_module_has_a_layer():
+    lost = [module for module in modules(TOOLKIT) if part_of(module) is None]
+    assert not lost, f"modules outside every layer (add them to LAYERS): {lost}"
+
+
+def test_no_module_imports_a_higher_layer():
+    crossings = upward_imports(TOOLKIT)
+    assert not crossings, "upward imports (a hook in the lower layer replaces them):\n" + "\n".join(crossings)
+
+
+def test_no_import_cycle_between_layers():
+    cycles = part_cycles(TOOLKIT)
+    assert not cycles, "import cycles between layers:\n" + "\n".join(cycles)
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / "toolkit" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root / "toolkit"
+
+
+def test_the_check_sees_every_kind_of_upward_import(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "from toolkit.engines import build\n",
+        "errors.py": "def f():\n    from toolkit import engines\n",  # function-level, `from package import module`
+        "config.py": "import toolkit.launch.env\nimport recipes.cifar\n",
+        "launch/__init__.py": "", "launch/env.py": "from ..engines.base import x\n",  # relative
+        "engines/__init__.py": "from . import base\n", "engines/base.py": "from toolkit.errors import f\n",
+    })
+    assert upward_imports(root) == ["toolkit.config -> toolkit.launch.env (line 1)",
+                                    "toolkit.config -> recipes.cifar (line 2)",
+                                    "toolkit.errors -> toolkit.engines (line 2)",
+                                    "toolkit.launch.env -> toolkit.engines.base (line 1)"]
+
+
+def test_the_check_sees_a_cycle_between_parts_of_one_row(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "", "data/__init__.py": "from toolkit.models import nets\n",
+        "models/__init__.py": "", "models/nets.py": "def f():\n    import toolkit.data\n",
+    })
+    assert upward_imports(root) == []
+    assert part_cycles(root) == ["toolkit.data -> toolkit.models -> toolkit.data"]

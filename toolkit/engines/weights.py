@@ -1,0 +1,175 @@
+"""Weight files that move between engines: strip every wrapper (DataParallel, DDP, torch.compile) and
+save/load the bare module's tensors as safetensors, so a file written under one engine loads under any.
+
+    save_model(ddp_model, "model.safetensors")       # keys without "module." prefixes
+    load_model(bare_model, "model.safetensors")      # or into a wrapped model: it is unwrapped first
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+from toolkit.errors import UserError
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+_SHOWN_KEYS = 3
+
+
+def unwrap_model(model):
+    """Return the plain module inside any nesting of DataParallel, DDP and torch.compile.
+
+    >>> net = torch.nn.Linear(2, 2)
+    >>> unwrap_model(torch.nn.DataParallel(net)) is net
+    True
+    """
+    # accelerate's extract_model_from_parallel strips torch.compile only at the outermost
+    # layer, so DDP(compile(m)) would keep `_orig_mod.`; a loop handles every order.
+    # torch.compile imports dynamo, so when it is not loaded nothing can be compiled and
+    # we avoid paying seconds to import it here.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    compiled = (eval_frame.OptimizedModule,) if eval_frame else ()
+    parallel = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+    while True:
+        if isinstance(model, parallel) or getattr(type(model), "is_toolkit_wrapper", False):
+            model = model.module
+        elif compiled and isinstance(model, compiled):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def save_model(model, path):
+    """Write the unwrapped model's weights to `path` as safetensors (tied weights stored once).
+
+    >>> save_model(torch.nn.DataParallel(net), "net.safetensors")  # keys have no `module.`
+    """
+    if isinstance(model, Mapping):  # a state dict, e.g. the full one an FSDP engine gathered
+        safetensors.torch.save_file(one_name_per_storage(model), str(path), metadata={"format": "pt"})
+        return
+    # safetensors.save_model drops duplicate names of tied tensors, makes tensors
+    # contiguous and copies them to CPU, which plain save_file would not do.
+    safetensors.torch.save_model(unwrap_model(model), str(path), metadata={"format": "pt"})
+
+
+def one_name_per_storage(state_dict):
+    """What safetensors.save_model does for a module: tied tensors stored once (first name), contiguous, CPU."""
+    kept, seen = {}, set()
+    for name, tensor in state_dict.items():
+        tensor = tensor.detach()
+        storage = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if tensor.numel() and storage in seen:
+            continue
+        seen.add(storage)
+        kept[name] = tensor.cpu().contiguous()
+    return kept
+
+
+def load_model(model, path, strict=True):
+    """Load weights from a safetensors/torch file or a state dict into `model` (wrapped or not).
+
+    Keys carrying `module.`/`_orig_mod.` prefixes (legacy DataParallel saves) are accepted.
+    Returns (missing, unexpected) key lists; with strict=True both are empty or it raises.
+
+    >>> load_model(torch.compile(net), "net.safetensors")
+    """
+    target = unwrap_model(model)
+    expected = target.state_dict()
+    weights = strip_wrapper_prefixes(read_weights(path), expected)
+    missing, unexpected, reshaped = _compare_keys(expected, weights)
+    if reshaped or (strict and (missing or unexpected)):
+        source = "the given state dict" if isinstance(path, Mapping) else str(path)
+        raise UserError(mismatch_sentence(source, missing, unexpected, reshaped))
+    if _is_sharded(expected):
+        # An FSDP model: each rank takes its shards of the full tensors (a collective: every rank loads).
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(target, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+    else:
+        target.load_state_dict(weights, strict=False)
+    return missing, unexpected
+
+
+def _is_sharded(state_dict):
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not loaded: nothing can be a DTensor
+    return dtensor is not None and any(isinstance(t, dtensor.DTensor) for t in state_dict.values())
+
+
+def read_weights(source):
+    if isinstance(source, Mapping):
+        return dict(source)
+    path = Path(source)
+    if not path.is_file():
+        raise UserError(f"Weights file {path} does not exist.")
+    if path.suffix == ".safetensors":
+        return safetensors.torch.load_file(path, device="cpu")
+    return load_pt(path, "cpu")
+
+
+def strip_wrapper_prefixes(weights, expected):
+    # Peel one wrapper layer at a time and stop as soon as names fit, so a model whose own
+    # submodule is called `module` keeps that part of its names.
+    while weights and not weights.keys() & expected.keys():
+        prefix = next((p for p in _WRAPPER_PREFIXES if all(k.startswith(p) for k in weights)), None)
+        if prefix is None:
+            break
+        weights = {k[len(prefix):]: v for k, v in weights.items()}
+    return weights
+
+
+def _compare_keys(expected, weights):
+    # Tied weights are saved under one name only; a key counts as present when any
+    # key sharing its storage is in the file (the same rule safetensors.load_model uses).
+    by_storage = {}
+    for key, tensor in expected.items():
+        tensor = getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard on this rank
+        if tensor.numel() and tensor.device.type != "meta":
+            storage = (tensor.device, tensor.untyped_storage().data_ptr())
+            by_storage.setdefault(storage, []).append(key)
+    covered = set()
+    for group in by_storage.values():
+        if any(k in weights for k in group):
+            covered.update(group)
+    missing = [k for k in expected if k not in weights and k not in covered]
+    unexpected = [k for k in weights if k not in expected]
+    reshaped = [
+        f"{k} {tuple(weights[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in weights
+        if k in expected and weights[k].shape != expected[k].shape
+    ]
+    return missing, unexpected, reshaped
+
+
+def mismatch_sentence(source, missing, unexpected, reshaped):
+    parts = []
+    for label, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", reshaped)):
+        if keys:
+            more = f" and {len(keys) - _SHOWN_KEYS} more" if len(keys) > _SHOWN_KEYS else ""
+            parts.append(f"{label}: {', '.join(keys[:_SHOWN_KEYS])}{more}")
+    fit = f"Weights in {source} do not fit this model (a checkpoint from a different model?)"
+    return f"{fit}; {'; '.join(parts)}."
+
+
+def load_pt(path, map_location):
+    """torch.load that refuses anything but tensors and plain containers (weights_only=True)."""
+    if not path.is_file():
+        raise UserError(f"{path} does not exist; the checkpoint was saved without it.")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise UserError(
+            f"Refusing to load {path}: it holds pickled objects other than tensors and plain "
+            f"containers, which could run arbitrary code ({refusal_reason(error)})."
+        ) from error
+
+
+def refusal_reason(error):
+    # torch's message is a page of advice; the line naming the refused global is the news.
+    match = re.search(r"WeightsUnpickler error: (.*?)\.(?:\s|$)", str(error))
+    return match[1] if match else "unsupported pickle content"
