@@ -22,9 +22,9 @@ import torch.distributed as dist
 from hostile import CreatesFileOnLoad
 
 from toolkit.errors import UserError
-from toolkit.models.weights import load_model, save_model, unwrap_model
+from toolkit.engines.weights import load_model, save_model, unwrap_model
 from toolkit.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, verify_checkpoint
-from toolkit.train.checkpoint_files import rng_state, set_rng_state
+from toolkit.engines.state_files import rng_state, set_rng_state
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -381,7 +381,7 @@ class _Ranks:
 def test_resume_position_maps_samples_to_steps():
     """A checkpoint 10 global batches of 128 into epoch 1 resumes at batch 10 of epoch 1, on any world size
     with the same global batch; a position between two steps resumes at the step before, and says so."""
-    from toolkit.train.common import resume_position
+    from toolkit.train.data_position import resume_position
 
     state = {"step": 49, "epoch": 1, "samples_in_epoch": 10 * 128, "world_size": 2}
     assert resume_position(state, 128, _Ranks(2)) == (49, 1, 10)

@@ -234,3 +234,103 @@ def test_save_state_restores_everything_and_load_state_verifies(engine, tmp_path
 
 def test_accelerates_local_sgd_averages_the_ranks_every_few_steps(two_ranks):
     assert two_ranks[0]["local_sgd_in_step"] == [False, True, False]
+
+
+class Position(Counter):
+    """A registered object with state_json(): save_state merges its dict into state.json, its keys winning."""
+
+    def state_json(self):
+        return {"step": 1000 + self.count, "epoch": 2, "config": {"model": "net"}}
+
+
+def test_state_json_holds_what_registered_objects_add(engine, tmp_path):
+    engine.prepare(torch.nn.Linear(3, 2))
+    counter, position = Counter(), Position()
+    counter.count, position.count = 5, 7
+    engine.register_for_checkpointing(counter, position)
+    engine.save_state(tmp_path / "state")
+    state = json.loads((tmp_path / "state" / "state.json").read_text())
+    assert (state["step"], state["epoch"], state["config"]) == (1007, 2, {"model": "net"})  # over the engine's step
+    assert (state["engine"], state["world_size"]) == (engine.name, 1)
+    assert torch.load(tmp_path / "state" / "custom_checkpoint_1.pkl", weights_only=True) == {"count": 7}
+    position.count = 0
+    engine.load_state(tmp_path / "state")
+    assert (counter.count, position.count) == (5, 7)
+    engine.free_memory()
+    engine._custom_objects.clear()
+
+
+def test_sharded_save_state_round_trips_on_every_engine(engine, tmp_path):
+    """checkpoint_format "sharded" at world 1: DCP's files in place of model.safetensors and optimizer.bin, and
+    load_state restores weights, optimizer, scheduler, registered objects and RNG as the full format does."""
+    torch.manual_seed(4)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model, optimizer, scheduler = engine.prepare(net, optimizer, scheduler)
+    position = Position()
+    engine.register_for_checkpointing(position)
+
+    def train(steps):
+        for _ in range(steps):
+            engine.backward(model(torch.randn(4, 3, device=engine.device)).square().mean())
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            position.count += 1
+
+    engine.checkpoint_format = "sharded"
+    try:
+        train(3)
+        engine.save_state(tmp_path / "state")
+        saved = {k: v.clone() for k, v in engine.get_state_dict(model).items()}
+        moments = {i: s["exp_avg"].clone() for i, s in optimizer.state_dict()["state"].items()}
+        expected_rand, lr = torch.rand(2), optimizer.param_groups[0]["lr"]
+        train(2)
+        engine.load_state(tmp_path / "state")
+    finally:
+        engine.checkpoint_format = "full"
+    manifest = json.loads((tmp_path / "state" / "manifest.json").read_text())
+    assert (manifest["checkpoint_format"], manifest["world_size"]) == ("sharded", 1)
+    assert {".metadata", "__0_0.distcp", "custom_checkpoint_0.pkl", "scheduler.bin"} <= manifest["files"].keys()
+    assert not {"model.safetensors", "optimizer.bin"} & manifest["files"].keys()
+    assert json.loads((tmp_path / "state" / "state.json").read_text())["step"] == 1003
+    assert all(torch.equal(v, saved[k]) for k, v in engine.get_state_dict(model).items())
+    state = optimizer.state_dict()["state"]
+    assert all(torch.equal(state[i]["exp_avg"], m) for i, m in moments.items()) and int(state[0]["step"]) == 3
+    assert optimizer.param_groups[0]["lr"] == lr and position.count == 3
+    assert torch.equal(torch.rand(2), expected_rand)
+    engine.free_memory()
+    engine._custom_objects.clear()
+
+
+@pytest.mark.parametrize("name", ["fsdp", "accelerate"])
+def test_sharded_save_state_from_two_ranks_loads_in_one_process(name, tmp_path):
+    """2 ranks save_state sharded (each its own shards: under fsdp each holds half of every tensor); one process
+    under another engine load_states the folder and holds the weights and optimizer state the ranks trained."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sharded_save_state", SCRIPTS / "sharded_save_state.py")
+    sharded_save_state = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sharded_save_state)  # its build(): the same model, optimizer and position
+    run(TORCHRUN + ["--master_port", free_port(), SCRIPTS / "sharded_save_state.py", name, tmp_path], timeout=240)
+    folder, expected = tmp_path / "state", torch.load(tmp_path / "expected.pt", weights_only=True)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert (manifest["checkpoint_format"], manifest["world_size"]) == ("sharded", 2)
+    assert {".metadata", "__0_0.distcp", "random_states_0.pkl", "random_states_1.pkl"} <= manifest["files"].keys()
+    assert not {"model.safetensors", "optimizer.bin"} & manifest["files"].keys()
+    if name == "fsdp":
+        assert "__1_0.distcp" in manifest["files"]
+    assert json.loads((folder / "state.json").read_text())["step"] == 3  # the registered position's, not the engine's
+    accelerator = toolkit.build_accelerator("single", cpu=True)
+    model, optimizer, scheduler, position = sharded_save_state.build(accelerator)
+    accelerator.load_state(folder)
+    weights = accelerator.get_state_dict(model)
+    assert weights.keys() == expected["weights"].keys()
+    assert all(torch.equal(weights[k], expected["weights"][k]) for k in weights)
+    state = optimizer.state_dict()
+    assert state["param_groups"] == expected["optimizer"]["param_groups"]
+    assert all(torch.equal(state["state"][i][key], saved[key]) for i, saved in expected["optimizer"]["state"].items()
+               for key in ("step", "exp_avg", "exp_avg_sq"))
+    assert scheduler.state_dict() == expected["scheduler"] and position.step == 3
+    accelerator.end_training()

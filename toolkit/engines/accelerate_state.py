@@ -1,32 +1,46 @@
-"""save_state/load_state under the accelerate engine: Accelerate writes and reads its own files; the toolkit
-adds what its folders have everywhere: a hidden build folder renamed into place, state.json and manifest.json,
-and verification before loading. The layout is the one in toolkit/engines/state_folder.py.
+"""save_state/load_state under the accelerate engine. In the full format Accelerate writes and reads its own
+files, and the toolkit adds what its folders have everywhere: a hidden build folder renamed into place,
+state.json and manifest.json, and verification before loading. In the sharded format (`checkpoint_format =
+"sharded"`) the toolkit writes and reads the folder from the Accelerator's registries, as the other engines
+do (toolkit/engines/checkpointing.py). The layout is the one in toolkit/engines/state_folder.py.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 
 import torch
 
-from toolkit import errors
-from toolkit.engines import state_folder as folder_format
-from toolkit.engines.checkpointing import destination, make_room
+from toolkit.engines.checkpointing import (destination, load_source, load_training_state, make_room,
+                                           save_sharded_state)
+from toolkit.engines.collectives import all_ranks
+from toolkit.engines.sharded_state import load_shards
+from toolkit.engines.state_files import (CUSTOM_FILE, STATE_NAME, gather_rng_states, load_safe, read_state_json,
+                                         state_json_text, with_registered_state)
+from toolkit.engines.state_folder import (MANIFEST_NAME, check_checkpoint_format, checkpoint_format, publish,
+                                          remove_leftovers, seal, verify_folder)
 
 
 def save_state_atomically(engine, output_dir, safe_serialization, **save_model_func_kwargs) -> str:
     accelerator = engine.accelerator
     config = accelerator.project_configuration
     final = destination(config, output_dir)
+    if check_checkpoint_format(engine.checkpoint_format) == "sharded":
+        save_sharded_state(engine, final, gather_rng_states(accelerator.step),
+                           accelerator._save_model_state_pre_hook.values(), lambda: _position(engine))
+        config.iteration += 1
+        return str(final)
     # One build folder for every rank (each writes its own random_states_<rank>.pkl there): rank 0's pid names it.
     pid = int(engine.gather(torch.tensor([os.getpid()], device=engine.device))[0])
     temp = final.with_name(f".tmp-{final.name}-{pid}")
-    with errors.all_ranks(engine):
+    state_text = None
+    with all_ranks(engine):
         if engine.is_main_process:
             make_room(final, config)
+            state_text = state_json_text(_position(engine))  # fails before gigabytes are written
             final.parent.mkdir(parents=True, exist_ok=True)
+            remove_leftovers(final.parent)  # build folders of writers that died, as start_folder does
             shutil.rmtree(temp, ignore_errors=True)
     automatic, config.automatic_checkpoint_naming = config.automatic_checkpoint_naming, False
     try:
@@ -34,39 +48,47 @@ def save_state_atomically(engine, output_dir, safe_serialization, **save_model_f
     finally:
         config.automatic_checkpoint_naming = automatic
     accelerator.wait_for_everyone()
-    with errors.all_ranks(engine):
+    with all_ranks(engine):
         if engine.is_main_process:
             try:
-                state = {"step": accelerator.step, "iteration": accelerator.save_iteration, "engine": engine.name,
-                         "world_size": accelerator.num_processes,
-                         "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
-                         "dataloaders": [{"epoch": getattr(dl, "iteration", 0)} for dl in accelerator._dataloaders]}
-                folder_format.write_state_json(temp, state)
-                folder_format.seal(temp, {"checkpoint_format": "full", "step": accelerator.step,
-                                          "world_size": accelerator.num_processes})
-                folder_format.publish(temp, final)
+                (temp / STATE_NAME).write_text(state_text)
+                seal(temp, {"checkpoint_format": "full", "step": accelerator.step,
+                            "world_size": accelerator.num_processes})
+                publish(temp, final)
             except BaseException:
                 shutil.rmtree(temp, ignore_errors=True)
                 raise
     return str(final)
 
 
+def _position(engine) -> dict:
+    """state.json: where the Accelerator stands and which world saved it, then what registered objects add."""
+    accelerator = engine.accelerator
+    state = {"step": accelerator.step, "iteration": accelerator.save_iteration, "engine": engine.name,
+             "world_size": accelerator.num_processes,
+             "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
+             "dataloaders": [{"epoch": getattr(dl, "iteration", 0)} for dl in accelerator._dataloaders]}
+    return with_registered_state(state, accelerator._custom_objects)
+
+
 def load_state_verified(engine, input_dir, load_kwargs, **load_model_func_kwargs):
     accelerator = engine.accelerator
-    path = Path(input_dir) if input_dir is not None else None
-    if path is not None:
-        if not path.is_dir():
-            raise errors.UserError(f"load_state: {path} is not a folder; pass the folder save_state wrote.")
-        if (path / folder_format.MANIFEST_NAME).is_file():
-            folder_format.verify_folder(path)
-        for name in (p.name for p in path.iterdir()):  # Accelerate loads these with weights_only=False
-            if folder_format.CUSTOM_FILE.fullmatch(name):
-                folder_format.load_safe(path / name)
-    result = accelerator.load_state(None if path is None else str(path), load_kwargs=load_kwargs,
-                                    **load_model_func_kwargs)
-    if path is not None:
-        state = folder_format.read_state_json(path)
-        for loader, position in zip(accelerator._dataloaders, state.get("dataloaders", [])):
-            if hasattr(loader, "set_epoch"):
-                loader.set_epoch(int(position.get("epoch", 0)))
+    path = load_source(accelerator.project_configuration, input_dir)
+    if (path / MANIFEST_NAME).is_file():
+        verify_folder(path)
+    for name in (p.name for p in path.iterdir()):  # Accelerate loads these with weights_only=False
+        if CUSTOM_FILE.fullmatch(name):
+            load_safe(path / name)
+    result = None
+    if checkpoint_format(path) == "sharded":
+        for hook in accelerator._load_model_state_pre_hook.values():
+            hook(accelerator._models, str(path))
+        load_shards(path, accelerator._models, accelerator._optimizers)
+        accelerator.step = load_training_state(engine, path, accelerator.step)
+    else:
+        result = accelerator.load_state(str(path), load_kwargs=load_kwargs, **load_model_func_kwargs)
+    state = read_state_json(path)
+    for loader, position in zip(accelerator._dataloaders, state.get("dataloaders", [])):
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(int(position.get("epoch", 0)))
     return result

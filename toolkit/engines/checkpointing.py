@@ -1,24 +1,32 @@
 """`save_state` / `load_state` and the rest of Accelerate's checkpoint calls for the plain-PyTorch engines.
 
 The folder is Accelerate's own (toolkit/engines/state_folder.py): a real `Accelerator.load_state` restores what
-these engines save, and they restore what it saves. A save gathers what every rank holds (the full weights
-and optimizer state under fsdp, every rank's RNG streams), then the main process writes the folder and
-publishes it atomically; the other ranks learn whether it worked, so a failed save stops every rank.
+these engines save in the full format, and they restore what it saves. A full save gathers what every rank
+holds (the full weights and optimizer state under fsdp, every rank's RNG streams), then the main process writes
+the folder and publishes it atomically; a sharded save (`checkpoint_format = "sharded"`) has every rank write
+its own shards instead (toolkit/engines/sharded_state.py). Either way the other ranks learn whether it worked,
+so a failed save stops every rank.
 """
 
 from __future__ import annotations
 
 import re
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from toolkit import errors
 from toolkit.errors import UserError
-from toolkit.engines import state_folder as folder_format
+from toolkit.engines.collectives import all_ranks
+from toolkit.engines.full_state import load_full_weights, write_full_weights
+from toolkit.engines.sharded_state import load_shards, local_state_dicts, save_sharded
+from toolkit.engines.state_files import (CUSTOM_FILE, SCALER_NAME, custom_file, load_safe, read_state_json,
+                                         restore_rng, rng_file, rng_state, state_file, state_json_text,
+                                         with_registered_state, write_training_state)
+from toolkit.engines.state_folder import (MANIFEST_NAME, check_checkpoint_format, checkpoint_format, publish,
+                                          remove_folder, seal, start_folder, verify_folder)
+from toolkit.engines.weights import one_name_per_storage
 
 # What save_state may replace: the files a checkpoint folder holds (sharded: torch.distributed.checkpoint's).
 _CHECKPOINT_FILE = re.compile(r"(model|optimizer|scheduler|sampler|dl_state_dict)(_\d+)?\.(safetensors|bin)|"
@@ -46,7 +54,8 @@ class ProjectConfiguration:
 
 class CheckpointingMixin:
     """Needs from the engine: `_models`, `_optimizers`, `_schedulers`, `_dataloaders`, `_custom_objects`,
-    `scaler`, `step`, `project_configuration`, `get_state_dict`, `unwrap_model`, `gather_object`."""
+    `scaler`, `step`, `project_configuration`, `checkpoint_format` ("full" or "sharded"), `get_state_dict`,
+    `unwrap_model`, `gather_object`."""
 
     # -- where -------------------------------------------------------------------------------------------
     @property
@@ -64,120 +73,62 @@ class CheckpointingMixin:
     # -- save --------------------------------------------------------------------------------------------
     def save_state(self, output_dir=None, safe_serialization: bool = True, **save_model_func_kwargs):
         """Accelerate's save_state: models, optimizers, schedulers, the GradScaler, every rank's RNG streams
-        and the registered objects, in Accelerate's layout plus state.json and manifest.json. Every rank calls it."""
+        and the registered objects, in Accelerate's layout plus state.json and manifest.json; models and
+        optimizers whole, or as each rank's shards under checkpoint_format "sharded". Every rank calls it."""
         final = destination(self.project_configuration, output_dir)
-        weights = [self.get_state_dict(model) for model in self._models]  # collectives under fsdp
-        optimizers = [optimizer.state_dict() for optimizer in self._optimizers]
-        rng_states = self.gather_object([folder_format.rng_state(self.step)])
-        for hook in self._save_state_pre_hooks.values():
-            hook(self._models, weights, str(final))
-        with errors.all_ranks(self):  # a save the main process cannot write stops every rank, said once
-            if self.is_main_process:
-                make_room(final, self.project_configuration)
-                self._write_state(final, weights, optimizers, rng_states, safe_serialization)
+        rng_states = self.gather_object([rng_state(self.step)])  # every rank's own streams
+        if check_checkpoint_format(self.checkpoint_format) == "sharded":
+            save_sharded_state(self, final, rng_states, self._save_state_pre_hooks.values(), self._training_position)
+        else:
+            weights = [self.get_state_dict(model) for model in self._models]  # collectives under fsdp
+            optimizers = [optimizer.state_dict() for optimizer in self._optimizers]
+            for hook in self._save_state_pre_hooks.values():
+                hook(self._models, weights, str(final))
+            with all_ranks(self):  # a save the main process cannot write stops every rank, said once
+                if self.is_main_process:
+                    make_room(final, self.project_configuration)
+                    self._write_state(final, weights, optimizers, rng_states, safe_serialization)
         self.project_configuration.iteration += 1
         return str(final)
 
     def _write_state(self, final, weights, optimizers, rng_states, safe_serialization):
-        from toolkit.models.weights import save_model
-
-        temp = folder_format.start_folder(final)
+        state_text = state_json_text(self._training_position())  # fails before gigabytes are written
+        temp = start_folder(final)
         try:
-            for i, state in enumerate(weights):
-                if safe_serialization:
-                    save_model(state, temp / folder_format.indexed("model", i, "safetensors"))
-                else:
-                    torch.save(dict(state), temp / folder_format.indexed("pytorch_model", i, "bin"))
-            for i, state in enumerate(optimizers):
-                folder_format.save_checked(state, temp / folder_format.indexed("optimizer", i, "bin"))
-            for i, scheduler in enumerate(self._schedulers):
-                folder_format.save_checked(scheduler.state_dict(), temp / folder_format.indexed("scheduler", i, "bin"))
-            if self.scaler is not None:
-                folder_format.save_checked(self.scaler.state_dict(), temp / folder_format.SCALER_NAME)
-            for rank, state in enumerate(rng_states):
-                folder_format.save_checked(state, temp / folder_format.rng_file(rank))
-            for i, obj in enumerate(self._custom_objects):
-                folder_format.save_checked(obj.state_dict(), temp / folder_format.custom_file(i))
-            state = self._training_position()
-            folder_format.write_state_json(temp, state)
-            folder_format.seal(temp, {"checkpoint_format": "full", "step": self.step, "world_size": self.num_processes})
-            folder_format.publish(temp, final)
+            write_full_weights(temp, weights, optimizers, safe_serialization)
+            write_training_state(temp, state_text, schedulers=self._schedulers, scaler=self.scaler,
+                                 rng_states=rng_states, custom_objects=self._custom_objects)
+            seal(temp, {"checkpoint_format": "full", "step": self.step, "world_size": self.num_processes})
+            publish(temp, final)
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)
             raise
 
     def _training_position(self) -> dict:
-        """The toolkit's additions: where training stands and which world saved it."""
-        return {"step": self.step, "iteration": self.save_iteration, "engine": self.name,
-                "world_size": self.num_processes, "gradient_accumulation_steps": self.gradient_accumulation_steps,
-                "dataloaders": [loader.position() for loader in self._dataloaders]}
+        """state.json: where the engine stands and which world saved it, then what registered objects add."""
+        state = {"step": self.step, "iteration": self.save_iteration, "engine": self.name,
+                 "world_size": self.num_processes, "gradient_accumulation_steps": self.gradient_accumulation_steps,
+                 "dataloaders": [loader.position() for loader in self._dataloaders]}
+        return with_registered_state(state, self._custom_objects)
 
     # -- load --------------------------------------------------------------------------------------------
     def load_state(self, input_dir=None, load_kwargs=None, **load_model_func_kwargs):
         """Accelerate's load_state: restores everything save_state wrote (or a real Accelerator's save_state),
-        verified against manifest.json when the folder has one. Every rank calls it."""
-        from toolkit.models.weights import load_model
-
-        path = self._load_dir(input_dir)
-        if (path / folder_format.MANIFEST_NAME).is_file():
-            folder_format.verify_folder(path)
+        verified against manifest.json when the folder has one; a sharded folder is resharded to this world
+        size. Every rank calls it."""
+        path = load_source(self.project_configuration, input_dir)
+        if (path / MANIFEST_NAME).is_file():
+            verify_folder(path)
         for hook in self._load_state_pre_hooks.values():
             hook(self._models, str(path))
-        for i, model in enumerate(self._models):
-            file = path / folder_format.indexed("model", i, "safetensors")
-            if not file.is_file():
-                file = path / folder_format.indexed("pytorch_model", i, "bin")
-                file = folder_format.load_safe(file) if file.is_file() else file
-            load_model(model, file, strict=load_model_func_kwargs.get("strict", True))
-        for i, optimizer in enumerate(self._optimizers):
-            optimizer.load_state_dict(folder_format.load_safe(path / folder_format.indexed("optimizer", i, "bin")))
-        for i, scheduler in enumerate(self._schedulers):
-            scheduler.load_state_dict(folder_format.load_safe(path / folder_format.indexed("scheduler", i, "bin")))
-        if self.scaler is not None and (path / folder_format.SCALER_NAME).is_file():
-            self.scaler.load_state_dict(folder_format.load_safe(path / folder_format.SCALER_NAME))
-        self._load_custom_objects(path)
-        state = folder_format.read_state_json(path)
-        self._restore_rng(path, state)
+        if checkpoint_format(path) == "sharded":
+            load_shards(path, self._models, self._optimizers)
+        else:
+            load_full_weights(path, self._models, self._optimizers, strict=load_model_func_kwargs.get("strict", True))
+        self.step = load_training_state(self, path, self.step)
+        state = read_state_json(path)
         for loader, position in zip(self._dataloaders, state.get("dataloaders", [])):
             loader.set_position(position)
-
-    def _load_dir(self, input_dir) -> Path:
-        if input_dir is not None:
-            path = Path(input_dir)
-            if not path.is_dir():
-                raise UserError(f"load_state: {path} is not a folder; pass the folder save_state wrote.")
-            return path
-        if not self.project_configuration.automatic_checkpoint_naming:
-            raise UserError("load_state needs an input_dir (or ProjectConfiguration(automatic_checkpoint_naming=True)).")
-        root = Path(_project_dir_or_refuse(self.project_configuration, "load_state")) / "checkpoints"
-        folders = sorted((int(m[1]), p) for p in (root.iterdir() if root.is_dir() else ())
-                         if (m := _ITERATION.fullmatch(p.name)))
-        if not folders:
-            raise UserError(f"load_state: no checkpoint_<n> folder in {root}.")
-        return folders[-1][1]
-
-    def _load_custom_objects(self, path):
-        found = sorted(p.name for p in path.iterdir() if folder_format.CUSTOM_FILE.fullmatch(p.name))
-        if len(found) != len(self._custom_objects):
-            raise UserError(f"{path} holds {len(found)} registered object(s) but {len(self._custom_objects)} are "
-                            f"registered with register_for_checkpointing; register the same objects as when it was saved.")
-        for i, obj in enumerate(self._custom_objects):
-            obj.load_state_dict(folder_format.load_safe(path / folder_format.custom_file(i)))
-
-    def _restore_rng(self, path, state):
-        file = path / folder_format.rng_file(self.process_index)
-        if not file.is_file():  # the world grew since the save: this rank keeps its seeded streams
-            print(f"[toolkit] {path} has no RNG state for rank {self.process_index}: it keeps its seeded RNG.",
-                  file=sys.stderr)
-            self.step = int(state.get("step", self.step))
-            return
-        saved = folder_format.load_safe(file)
-        try:
-            folder_format.set_rng_state(saved)
-        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as error:  # a crafted or foreign file
-            raise UserError(f"Checkpoint {path} is corrupt: {file.name} does not hold RNG states "
-                            f"({type(error).__name__}: {error}).") from None
-        self.step = int(saved.get("step", state.get("step", self.step)))
 
     # -- registered objects and hooks ------------------------------------------------------------------
     def register_for_checkpointing(self, *objects):
@@ -211,9 +162,7 @@ class CheckpointingMixin:
         if safe_serialization:
             import safetensors.torch
 
-            from toolkit.models.weights import _one_name_per_storage
-
-            safetensors.torch.save_file(_one_name_per_storage(obj), str(f), metadata={"format": "pt"})
+            safetensors.torch.save_file(one_name_per_storage(obj), str(f), metadata={"format": "pt"})
         else:
             torch.save(obj, f)
 
@@ -224,6 +173,65 @@ def _register(hooks: dict, hook):
     handle = RemovableHandle(hooks)
     hooks[handle.id] = hook
     return handle
+
+
+def save_sharded_state(engine, final: Path, rng_states, hooks, position):
+    """Every rank: the sharded save_state of `engine` (its `_models`, `_optimizers`, `_schedulers`, `scaler`,
+    `_custom_objects`: an Accelerator's registries too). Each rank writes its shards of the models and
+    optimizers; the main process the rest, `rng_states` (every rank's, in order) and `position()` as state.json.
+    `hooks` are the save_state pre-hooks, called with the shards' state dicts."""
+    model_states, optimizer_states = local_state_dicts(engine._models, engine._optimizers)
+    for hook in hooks:
+        hook(engine._models, model_states, str(final))
+    state_text = None
+    with all_ranks(engine):  # refused on the main process before any rank writes a shard
+        if engine.is_main_process:
+            make_room(final, engine.project_configuration)
+            state_text = state_json_text(position())
+
+    def finish(temp):
+        write_training_state(temp, state_text, schedulers=engine._schedulers, scaler=engine.scaler,
+                             rng_states=rng_states, custom_objects=engine._custom_objects)
+        seal(temp, {"checkpoint_format": "sharded", "step": engine.step, "world_size": engine.num_processes})
+
+    with all_ranks(engine):  # a shard or file that could not be written stops every rank, said once
+        save_sharded(final, model_states, optimizer_states, finish)
+
+
+def load_training_state(engine, path: Path, step: int) -> int:
+    """Load what every format holds besides the weights into `engine`'s schedulers, scaler and registered
+    objects, restore this rank's RNG streams, and return the engine step they were saved at (else `step`)."""
+    for i, scheduler in enumerate(engine._schedulers):
+        scheduler.load_state_dict(load_safe(state_file(path, "scheduler", i, "bin")))
+    if engine.scaler is not None and (path / SCALER_NAME).is_file():
+        engine.scaler.load_state_dict(load_safe(path / SCALER_NAME))
+    found = sorted(p.name for p in path.iterdir() if CUSTOM_FILE.fullmatch(p.name))
+    if len(found) != len(engine._custom_objects):
+        raise UserError(f"{path} holds {len(found)} registered object(s) but {len(engine._custom_objects)} are "
+                        f"registered with register_for_checkpointing; register the same objects as when it was saved.")
+    for i, obj in enumerate(engine._custom_objects):
+        obj.load_state_dict(load_safe(path / custom_file(i)))
+    saved = restore_rng(path, engine.process_index)
+    if saved is None and (path / rng_file(0)).is_file():  # a grown world: rank 0's streams were saved at the same step
+        saved = load_safe(path / rng_file(0))
+    return int(saved["step"]) if isinstance(saved, dict) and "step" in saved else step
+
+
+def load_source(config, input_dir) -> Path:
+    """Where load_state reads: `input_dir`, or with automatic naming the newest project_dir/checkpoints/checkpoint_<i>."""
+    if input_dir is not None:
+        path = Path(input_dir)
+        if not path.is_dir():
+            raise UserError(f"load_state: {path} is not a folder; pass the folder save_state wrote.")
+        return path
+    if not config.automatic_checkpoint_naming:
+        raise UserError("load_state needs an input_dir (or ProjectConfiguration(automatic_checkpoint_naming=True)).")
+    root = Path(_project_dir_or_refuse(config, "load_state")) / "checkpoints"
+    folders = sorted((int(m[1]), p) for p in (root.iterdir() if root.is_dir() else ())
+                     if (m := _ITERATION.fullmatch(p.name)))
+    if not folders:
+        raise UserError(f"load_state: no checkpoint_<n> folder in {root}.")
+    return folders[-1][1]
 
 
 def destination(config, output_dir) -> Path:
@@ -257,7 +265,7 @@ def _prune(root: Path, limit):
         return
     folders = sorted((int(m[1]), p) for p in root.iterdir() if (m := _ITERATION.fullmatch(p.name)))
     for _, path in folders[: max(0, len(folders) + 1 - limit)]:
-        folder_format.remove_folder(path)
+        remove_folder(path)
 
 
 def _refuse_foreign_files(final: Path):
@@ -277,10 +285,8 @@ def _write_weights(state_dict, directory: Path, max_shard_size, safe_serializati
 
     from huggingface_hub import split_torch_state_dict_into_shards
 
-    from toolkit.models.weights import _one_name_per_storage
-
     directory.mkdir(parents=True, exist_ok=True)
-    state_dict = _one_name_per_storage(state_dict)  # tied weights once, contiguous, on the CPU
+    state_dict = one_name_per_storage(state_dict)  # tied weights once, contiguous, on the CPU
     pattern = "model{suffix}.safetensors" if safe_serialization else "pytorch_model{suffix}.bin"
     split = split_torch_state_dict_into_shards(state_dict, filename_pattern=pattern, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():

@@ -1,132 +1,68 @@
-"""The one checkpoint folder, read and written by every engine and by a real `accelerate.Accelerator`.
+"""The one checkpoint folder, read and written by every engine, by a real `accelerate.Accelerator` and by the
+functional API in toolkit/train/checkpoint.py.
 
 Accelerate's `save_state` layout: `model.safetensors` (`model_1.safetensors`, ... for more models),
 `optimizer.bin`, `scheduler.bin`, `scaler.pt`, `random_states_<rank>.pkl` (one per rank, Accelerate's
 dict of python/numpy/torch/cuda RNG states and its `step`), `custom_checkpoint_<i>.pkl` (registered objects).
 The toolkit adds, without changing those files: `state.json` (where training stands: step, epoch, the data
-position, the world that saved it), and `manifest.json`, written last (size and sha256 of every file), and it
-publishes the folder atomically: built in a hidden `.tmp-*` sibling and renamed into place. Nothing is
-unpickled beyond tensors, plain containers and numpy's RNG arrays (`weights_only=True`), so a crafted
-file cannot run code.
+position, the world that saved it), and `manifest.json`, written last (size and sha256 of every file, and the
+checkpoint format: "full", or "sharded" with torch.distributed.checkpoint's files in place of the model and
+optimizer files, toolkit/engines/sharded_state.py). A folder is built in a hidden `.tmp-<name>-<pid>` sibling
+and renamed into place, so a killed writer never leaves a torn folder under a checkpoint's name.
+
+Under a checkpoints root the folders are `step-<8 digits>` (checkpoint_folder); `root/latest` names the newest
+and finish_checkpoint prunes the oldest and removes what dead writers left; latest_checkpoint skips a damaged
+folder with a one-line warning. What the files hold, and how they are read safely: toolkit/engines/state_files.py.
 """
 
 from __future__ import annotations
 
-import codecs
 import hashlib
 import json
 import os
-import pickle
-import random
 import re
 import shutil
+import sys
 from pathlib import Path
 
-import torch
-
 from toolkit.errors import UserError
+from toolkit.engines.state_files import RNG_FILE, read_state_json
 
-try:
-    import numpy as np
-except ImportError:  # numpy is optional: its RNG state is then not saved
-    np = None
-
-SCALER_NAME = "scaler.pt"
-STATE_NAME = "state.json"
 MANIFEST_NAME = "manifest.json"
-RNG_FILE = re.compile(r"random_states_(\d+)\.pkl")
-CUSTOM_FILE = re.compile(r"custom_checkpoint_(\d+)\.pkl")
+CHECKPOINT_FORMATS = ("full", "sharded")
+STEP_FOLDER = re.compile(r"step-(\d+)")
+# The build folders (.tmp-*) and folders set aside (.old-*) of a writer, named with its pid.
+_LEFTOVER = re.compile(r"\.(?:tmp|old)-(?:step-\d+|checkpoint_\d+)-(\d+)")
 
 
-def indexed(stem: str, index: int, suffix: str) -> str:
-    """Accelerate's file name of the index-th object of a kind.
+def checkpoint_folder(root, step: int) -> Path:
+    """The folder of the checkpoint of optimizer step `step` under a checkpoints root.
 
-    >>> indexed("optimizer", 0, "bin"), indexed("model", 1, "safetensors")
-    ('optimizer.bin', 'model_1.safetensors')
+    >>> checkpoint_folder("runs/x/checkpoints", 12).as_posix()
+    'runs/x/checkpoints/step-00000012'
     """
-    return f"{stem}.{suffix}" if index == 0 else f"{stem}_{index}.{suffix}"
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    return Path(root) / f"step-{step:08d}"
 
 
-def rng_file(rank: int) -> str:
-    return f"random_states_{rank}.pkl"
+def check_checkpoint_format(kind: str) -> str:
+    """`kind` if it is a checkpoint format save_state can write, else one sentence.
 
-
-def custom_file(index: int) -> str:
-    return f"custom_checkpoint_{index}.pkl"
-
-
-# -- RNG states, in Accelerate's dict -------------------------------------------------------------------
-def rng_state(step: int = 0) -> dict:
-    """This process's RNG streams in the dict Accelerate's `save_state` writes to random_states_<rank>.pkl.
-
-    >>> s = rng_state(); a = torch.rand(1); set_rng_state(s); assert torch.equal(a, torch.rand(1))
+    >>> check_checkpoint_format("sharded")
+    'sharded'
     """
-    state = {"step": int(step), "random_state": random.getstate(), "torch_manual_seed": torch.get_rng_state()}
-    if np is not None:
-        state["numpy_random_seed"] = np.random.get_state()
-    if torch.cuda.is_available():
-        state["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
-    return state
+    if kind not in CHECKPOINT_FORMATS:
+        raise UserError(f"checkpoint_format must be one of {', '.join(CHECKPOINT_FORMATS)}, not {kind!r}.")
+    return kind
 
 
-def set_rng_state(state: dict):
-    """Restore what rng_state() (or Accelerate) captured; parts for absent libraries or devices are skipped.
-
-    >>> set_rng_state(rng_state())
-    """
-    version, internal, gauss = state["random_state"]
-    random.setstate((version, tuple(internal), gauss))
-    torch.set_rng_state(state["torch_manual_seed"].cpu())
-    if np is not None and "numpy_random_seed" in state:
-        np.random.set_state(state["numpy_random_seed"])
-    if torch.cuda.is_available() and "torch_cuda_manual_seed" in state:
-        # A resume on fewer GPUs restores the devices that exist.
-        for device, device_state in enumerate(state["torch_cuda_manual_seed"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(device_state.cpu(), device)
-
-
-def _numpy_globals():
-    """What a pickled numpy RNG state needs, and nothing that can run code (Accelerate allows the same)."""
-    if np is None:
-        return []
-    core = getattr(np, "_core", None) or np.core
-    names = [core.multiarray._reconstruct, np.ndarray, np.dtype, codecs.encode]
-    return names + ([np.dtypes.UInt32DType] if hasattr(np, "dtypes") else [])
-
-
-def load_safe(path: Path, map_location="cpu"):
-    """torch.load refusing everything but tensors, plain containers and numpy arrays (weights_only=True)."""
-    if not path.is_file():
-        raise UserError(f"{path} does not exist; the checkpoint was saved without it.")
-    try:
-        with torch.serialization.safe_globals(_numpy_globals()):
-            return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as error:
-        raise UserError(f"Refusing to load {path}: it holds pickled objects other than tensors and plain "
-                        f"containers, which could run arbitrary code ({refusal_reason(error)}).") from error
-
-
-def save_checked(obj, path: Path):
-    """torch.save, then prove the file loads without unpickling code: fail at save time, not at resume."""
-    torch.save(obj, path)
-    try:
-        with torch.serialization.safe_globals(_numpy_globals()):
-            torch.load(path, weights_only=True, mmap=True)  # mmap: the tensor data is not read
-    except pickle.UnpicklingError as error:
-        raise UserError(f"{path.name} would hold objects other than tensors and plain containers, so it could not "
-                        f"be loaded safely ({refusal_reason(error)}); keep its state_dict plain.") from error
-
-
-def refusal_reason(error) -> str:
-    # torch's message is a page of advice; the line naming the refused global is the news.
-    match = re.search(r"WeightsUnpickler error: (.*?)\.(?:\s|$)", str(error))
-    return match[1] if match else "unsupported pickle content"
-
-
-# -- atomic publish and the manifest ---------------------------------------------------------------------
+# -- building a folder: atomic publish and the manifest ---------------------------------------------------
 def start_folder(final: Path) -> Path:
-    """A fresh hidden sibling of `final` to build a save in (its parent made)."""
+    """A fresh hidden sibling of `final` to build a save in (its parent made; leftovers of writers that died
+    beside it removed)."""
     final.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(final.parent)
     temp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     shutil.rmtree(temp, ignore_errors=True)
     temp.mkdir()
@@ -169,11 +105,101 @@ def remove_folder(path: Path):
     shutil.rmtree(aside)
 
 
-def verify_folder(path) -> None:
-    """Raise UserError naming `path` unless every file in its manifest exists with the right size and sha256.
+def remove_leftovers(root: Path):
+    """Remove the build and set-aside folders under `root` whose writer is no longer running."""
+    for path in root.iterdir():
+        match = _LEFTOVER.fullmatch(path.name)
+        if match and path.is_dir() and not _writer_alive(int(match[1])):
+            shutil.rmtree(path, ignore_errors=True)
 
-    >>> verify_folder("ckpt/step-00000100")
-    """
+
+def _writer_alive(pid):
+    if pid == os.getpid():
+        return False  # saves in one process run one after another: ours are leftovers
+    if os.name != "posix":
+        return True  # os.kill(pid, 0) would terminate the process on Windows
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, owned by another user
+    return True
+
+
+# -- a checkpoints root: step-N folders, the latest pointer, pruning ---------------------------------------
+def finish_checkpoint(root, folder, keep: int | None = None):
+    """On the main process once `folder` (a step-N folder under `root`) is published: point `root/latest` at
+    it, delete the oldest checkpoints beyond `keep` (None keeps all) and what dead writers left."""
+    check_keep(keep)
+    root, folder = Path(root), Path(folder)
+    _write_pointer(root, folder.name)
+    if keep is not None:
+        others = [p for p in list_checkpoints(root) if p.name != folder.name]
+        for old in others[: max(0, len(others) - (keep - 1))]:
+            remove_folder(old)
+    remove_leftovers(root)
+
+
+def check_keep(keep: int | None):
+    if keep is not None and keep < 1:
+        raise UserError(f"keep must be at least 1 checkpoint, got {keep}.")
+
+
+def _write_pointer(root, name):
+    temp = root / "latest.tmp"
+    with open(temp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, root / "latest")
+    fsync(root)
+
+
+def list_checkpoints(root) -> list[Path]:
+    """The complete checkpoint folders under `root` (those with a manifest), oldest step first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = STEP_FOLDER.fullmatch(path.name)
+        if match and (path / MANIFEST_NAME).is_file():
+            found.append((int(match[1]), path))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(root) -> Path | None:
+    """The checkpoint `root/latest` names if it verifies, else the newest one that does, else None; each
+    damaged checkpoint skipped is reported in one line on stderr."""
+    root = Path(root)
+    pointed = _read_pointer(root)
+    newest_first = [p for p in reversed(list_checkpoints(root)) if p != pointed]
+    for path in ([pointed] if pointed else []) + newest_first:
+        try:
+            verify_folder(path)
+            return path
+        except UserError as error:
+            print(f"warning: skipping {path}: {error}", file=sys.stderr)
+    return None
+
+
+def _read_pointer(root):
+    try:
+        name = (root / "latest").read_text().strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError):  # a folder or unreadable bytes: warned about below, then ignored
+        name = ""
+    if not STEP_FOLDER.fullmatch(name):
+        print(f"warning: ignoring {root / 'latest'}: it does not name a checkpoint", file=sys.stderr)
+        return None
+    return root / name
+
+
+# -- reading a folder --------------------------------------------------------------------------------------
+def verify_folder(path) -> None:
+    """Raise UserError naming `path` unless every file in its manifest exists with the right size and sha256."""
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"Checkpoint {path} does not exist.")
@@ -204,22 +230,40 @@ def is_accelerate_folder(path: Path) -> bool:
                               or (path / "optimizer.bin").is_file())
 
 
-def read_state_json(path: Path) -> dict:
-    """The toolkit's state.json of a folder, {} for a folder Accelerate wrote without one."""
-    file = path / STATE_NAME
-    if not file.exists():
-        return {}
-    try:
-        state = json.loads(file.read_text())
-    except (OSError, ValueError) as error:
-        raise UserError(f"Checkpoint {path} is corrupt: state.json is unreadable ({type(error).__name__}).") from None
-    if not isinstance(state, dict):
-        raise UserError(f"Checkpoint {path} is corrupt: state.json holds a {type(state).__name__}, not an object.")
-    return state
+def checkpoint_format(path) -> str:
+    """How a verified checkpoint folder holds its weights: "full" (model.safetensors and optimizer.bin, any
+    folder without a manifest, any written before the manifest named it) or "sharded" (DCP's files)."""
+    manifest = Path(path) / MANIFEST_NAME
+    if not manifest.is_file():  # Accelerate's own save_state folder: the full format, without a manifest
+        return "full"
+    kind = json.loads(manifest.read_text()).get("checkpoint_format", "full")
+    if kind not in CHECKPOINT_FORMATS:
+        raise UserError(f"Checkpoint {path} is corrupt: its manifest names checkpoint format {kind!r}, "
+                        f"not one of {', '.join(CHECKPOINT_FORMATS)}.")
+    return kind
 
 
-def write_state_json(folder: Path, state: dict):
-    (folder / STATE_NAME).write_text(json.dumps(state, indent=2) + "\n")
+def resolve_checkpoint(path) -> Path:
+    """The verified folder `path` names: a checkpoint folder itself, a folder Accelerate's save_state wrote, or
+    a checkpoints root (its latest checkpoint)."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"Checkpoint path {path} does not exist.")
+    if (path / MANIFEST_NAME).exists() or STEP_FOLDER.fullmatch(path.name):
+        verify_folder(path)
+        return path
+    if is_accelerate_folder(path):  # Accelerate's own save_state wrote it: no manifest to verify it against
+        return path
+    latest = latest_checkpoint(path)  # already verified
+    if latest is None:
+        raise UserError(f"No complete checkpoint found in {path}.")
+    return latest
+
+
+def read_state(path) -> dict:
+    """The state.json of a checkpoint folder (or of the latest one under a root), verified, without loading
+    any weights: check what it holds before loading it into a model ({} for a folder Accelerate wrote)."""
+    return read_state_json(resolve_checkpoint(path))
 
 
 def sha256(path: Path) -> str:
