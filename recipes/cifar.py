@@ -3,7 +3,6 @@
     python recipes/cifar.py --dataset synthetic --model tiny --epochs 2          # one process
     accelerate launch recipes/cifar.py                                           # accelerate's default config
     accelerate launch --config_file accelerate_configs/cpu.yaml recipes/cifar.py --dataset synthetic
-    accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/cifar.py
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml recipes/cifar.py
     accelerate launch --config_file accelerate_configs/multi_node.yaml --machine_rank R recipes/cifar.py
     torchrun --nproc_per_node 2 recipes/cifar.py --engine ddp
@@ -16,22 +15,28 @@ The engine (accelerate, ddp, fsdp, dp, single) follows from the launcher; nothin
 --global-batch-size is the images in one optimizer step over all processes, the same under every launcher:
 global batch = processes x --micro-batch-size x gradient accumulation, the accumulation derived. Learning
 rate, weight decay, warm-up, epochs and global batch default to the model's preset (toolkit/train/presets.py).
-Mixed precision comes from the accelerate profile unless --mixed-precision is given.
+Mixed precision comes from the accelerate profile unless --mixed-precision is given. The toolkit's parts
+(toolkit/train) keep the position for an exact mid-epoch resume, stop cleanly on Ctrl-C, a NaN or a lost peer,
+and write the run's records; the training step itself is below.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 import toolkit
-from toolkit.data import load_data
-from toolkit.data.memory import AUGMENTATIONS, MemoryLoader, build_torch_loader
-from toolkit.train.loop import TrainingConfig, finish, fit, make_run, prepare_model_and_optimizer, start
+from toolkit.data import DATASET_CHOICES, load_data
+from toolkit.data.memory import AUGMENTATIONS, MemoryLoader, build_torch_loader, normalize
 from toolkit.models.nets import MODELS, build_model
-from toolkit.train.presets import apply_preset
+from toolkit.train import (TrainingConfig, TrainingRun, apply_preset, average_batchnorm_stats, check_config,
+                           decay_groups, evaluate, plan_batches, run_guard, sync_batchnorm, warmup_linear_decay)
 
 
 @dataclass
-class Config(TrainingConfig):  # the loop's flags (toolkit/train/loop.py) plus this recipe's data and model
-    dataset: str = field(default="cifar10", metadata={"help": "cifar10, cifar100, synthetic or hf:NAME_OR_PATH"})
+class Config(TrainingConfig):  # the shared training flags (toolkit/train/config.py) plus this recipe's
+    dataset: str = field(default="cifar10", metadata={"help": DATASET_CHOICES})
     data_dir: str = field(default="data", metadata={"help": "folder holding (or receiving) the dataset"})
     model: str = field(default="resnet18", metadata={"choices": sorted(MODELS)})
     augment: str = field(default="crop-flip", metadata={"choices": list(AUGMENTATIONS),
@@ -41,32 +46,82 @@ class Config(TrainingConfig):  # the loop's flags (toolkit/train/loop.py) plus t
 
 
 def build_loaders(cfg, data, accelerator, micro_batch: int):
-    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    # Evaluation: disjoint shards per rank, summed once at the end (exact for any world or batch size).
-    test = MemoryLoader(data.test_x, data.test_y, micro_batch, rank=rank, world_size=world, train=False, device=device)
-    if cfg.loader == "memory":  # the same images in every optimizer step, whatever the world size
-        train = MemoryLoader(data.train_x, data.train_y, micro_batch, rank=rank, world_size=world, seed=cfg.seed,
-                             device=device, augment=cfg.augment)
+    """Training batches sharded so that every optimizer step holds the same images on any world size; the test
+    set prepared, so gather_for_metrics counts each image once."""
+    if cfg.loader == "memory":  # the whole set on the device, augmented there
+        train = MemoryLoader(data.train_x, data.train_y, micro_batch, rank=accelerator.process_index,
+                             world_size=accelerator.num_processes, seed=cfg.seed, device=accelerator.device,
+                             augment=cfg.augment)
     else:
         train = accelerator.prepare(build_torch_loader(data.train_x, data.train_y, micro_batch, train=True,
                                                        seed=cfg.seed, augment=cfg.augment))
+    test = accelerator.prepare(DataLoader(TensorDataset(normalize(data.test_x), data.test_y), micro_batch))
     return train, test
 
 
 def main(argv=None):
-    cfg = apply_preset(toolkit.parse_config(Config, argv, description=__doc__.splitlines()[0]))
-    accelerator, plan, cfg = start(cfg)
+    cfg, lr_rule = apply_preset(toolkit.parse_config(Config, argv, description=__doc__.splitlines()[0]))
+    check_config(cfg)
+    accelerator = toolkit.build_accelerator(cfg.engine, mixed_precision=cfg.mixed_precision, timeout=cfg.timeout,
+                                            log_with=cfg.trackers, project_dir=cfg.output_dir,
+                                            checkpoint_format=cfg.checkpoint_format)
+    plan = plan_batches(cfg.global_batch_size, accelerator.num_processes, cfg.micro_batch_size)
+    accelerator.gradient_accumulation_steps = plan.accumulation
+    accelerator.set_seed(cfg.seed)
     with accelerator.main_process_first():  # one download, not one per rank
         data = load_data(cfg.dataset, cfg.data_dir, cfg.seed)
     train_loader, test_loader = build_loaders(cfg, data, accelerator, plan.micro_batch)
-    model, optimizer, bn_fallback = prepare_model_and_optimizer(build_model(cfg.model, data.num_classes), cfg,
-                                                                accelerator)
-    run = make_run(cfg, accelerator, plan, model, optimizer, len(train_loader))
+
+    model = build_model(cfg.model, data.num_classes)
+    model, average_bn = sync_batchnorm(model, accelerator) if cfg.sync_bn else (model, False)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if cfg.compile:
+        model = torch.compile(model)
+    optimizer = torch.optim.SGD(decay_groups(model, cfg.weight_decay), lr=cfg.lr, momentum=0.9, nesterov=True)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    run = TrainingRun(accelerator, cfg, plan, batches_per_epoch=len(train_loader))
+    # Stepped once per optimizer step below (a prepared one ticks once per process), saved with the state.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_linear_decay(run.total_steps, cfg.warmup))
+    accelerator.register_for_checkpointing(scheduler, run)
+    if (folder := run.resume_folder()) is not None:
+        accelerator.load_state(folder)  # weights, optimizer, schedule, every rank's RNG and the run's position
+    accelerator.init_trackers("logs", config=asdict(cfg))  # --log-with's trackers, in OUTPUT_DIR/logs
     accelerator.print(f"{cfg.model} on {data.name}: {len(data.train_x)} train / {len(data.test_x)} test images; "
-                      f"engine {accelerator.name}; global batch {plan}; {run.total_steps} steps; {cfg.lr_rule}; "
+                      f"engine {accelerator.name}; global batch {plan}; {run.total_steps} steps; {lr_rule}; "
                       f"mixed precision {accelerator.mixed_precision}")
-    metrics, records = fit(run, cfg, train_loader, test_loader, bn_fallback)
-    return finish(run, cfg, records, metrics)
+
+    def save_checkpoint():  # on every rank: under fsdp the weights are gathered (or each rank writes its shards)
+        if average_bn:  # --sync-bn on CPU ranks: every rank saves, then evaluates, the ranks' mean statistics
+            average_batchnorm_stats(model, accelerator)
+        run.checkpoint_saved(accelerator.save_state(run.checkpoint_folder()))
+
+    metrics = None
+    with run_guard(run) as guard:  # Ctrl-C/SIGTERM: a checkpoint at the next step, then exit 130
+        for epoch in run.epochs():
+            model.train()
+            for images, labels in run.batches(train_loader):  # from the saved position; whole optimizer steps
+                with accelerator.accumulate(model):
+                    loss = F.cross_entropy(model(images), labels, label_smoothing=cfg.label_smoothing)
+                    if guard.finite(loss):  # every rank's loss checked together: a NaN stops (or skips) the step
+                        accelerator.backward(loss)
+                    if accelerator.sync_gradients and cfg.clip_grad_norm:
+                        accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                if accelerator.sync_gradients:  # an optimizer step is complete
+                    scheduler.step()
+                    accelerator.log(run.step_done(lr=scheduler.get_last_lr()[0], **guard.step_done()), step=run.step)
+                    if guard.stop_requested or run.checkpoint_due():
+                        save_checkpoint()
+                    guard.stop_if_asked()
+            save_checkpoint()
+            if run.evaluation_due():
+                metrics = evaluate(model, test_loader, accelerator)
+                accelerator.log(run.evaluated(metrics), step=run.step)
+    summary = run.finish(metrics or evaluate(model, test_loader, accelerator))
+    accelerator.end_training()
+    return summary
 
 
 if __name__ == "__main__":

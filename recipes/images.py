@@ -13,23 +13,26 @@ class names are the folder names sorted as ImageFolder sorts them, saved in ever
 summary.json. --model is any torchvision classification model (built with weights=None: no downloads) or
 one of the toolkit's nets (tiny, resnet9, toolkit:resnet18); --weights starts from a local state dict and
 gives it a new classifier head when the class count differs. DataLoader workers decode: RandomResizedCrop
-and flip for training, resize and centre crop for evaluation. The global batch, presets, checkpoints with
-exact mid-epoch resume, evaluation and records are cifar.py's (toolkit/train/loop.py). An unreadable image file
-stops the run with its path (exit 2).
+and flip for training, resize and centre crop for evaluation. The global batch, presets, exact mid-epoch
+resume and records are cifar.py's. An unreadable image file stops the run with its path (exit 2).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
 
 import toolkit
+from toolkit.data.folder import StreamingLoader, default_workers, image_transform, open_images
 from toolkit.data.memory import AUGMENTATIONS
-from toolkit.data.folder import StreamingLoader, default_workers, open_images
-from toolkit.train.loop import TrainingConfig, finish, fit, make_run, prepare_model_and_optimizer, start
-from toolkit.train.presets import apply_preset
 from toolkit.models.vision import TOOLKIT_PREFIX, build_image_model, is_torchvision_model, start_from_weights
+from toolkit.train import (TrainingConfig, TrainingRun, apply_preset, average_batchnorm_stats, check_config,
+                           decay_groups, evaluate, plan_batches, run_guard, sync_batchnorm, warmup_linear_decay)
 
 
 @dataclass
-class Config(TrainingConfig):  # the loop's flags (toolkit/train/loop.py) plus this recipe's data and model
+class Config(TrainingConfig):  # the shared training flags (toolkit/train/config.py) plus this recipe's
     data_dir: str = field(default="data/images", metadata={"help": "ImageFolder layout (train/, val/ or test/) "
                           "or hf:PATH (save_to_disk folder or parquet files)"})
     model: str = field(default="resnet18", metadata={"help": "a torchvision classification model, or tiny, "
@@ -44,45 +47,88 @@ class Config(TrainingConfig):  # the loop's flags (toolkit/train/loop.py) plus t
     output_dir: str = field(default="runs/images", metadata={"help": "checkpoints, metrics and summary.json"})
 
 
-def preset_name(model: str) -> str:
-    """torchvision's models share torchvision's reference recipe; the toolkit's nets have their own presets."""
-    return "torchvision" if is_torchvision_model(model) else model.removeprefix(TOOLKIT_PREFIX)
-
-
 def build_loaders(cfg, data, accelerator, micro_batch: int):
+    """Training batches decoded by workers, sharded so that every optimizer step holds the same images on any
+    world size; the validation set prepared, so gather_for_metrics counts each image once."""
     workers = cfg.workers if cfg.workers is not None else default_workers(accelerator.env.local_world_size)
-    common = dict(rank=accelerator.process_index, world_size=accelerator.num_processes, seed=cfg.seed,
-                  image_size=cfg.image_size, workers=workers, device=accelerator.device)
-    train = StreamingLoader(data.train, micro_batch, train=True, augment=cfg.augment, **common)
-    test = StreamingLoader(data.val, micro_batch, train=False, **common)
-    return train, test
-
-
-def build_model(cfg, num_classes: int, accelerator):
-    model = build_image_model(cfg.model, num_classes, cfg.image_size)
-    if cfg.weights:
-        start_from_weights(model, cfg.weights, accelerator.print)
-    return model
+    train = StreamingLoader(data.train, micro_batch, rank=accelerator.process_index, seed=cfg.seed,
+                            world_size=accelerator.num_processes, image_size=cfg.image_size, workers=workers,
+                            device=accelerator.device, train=True, augment=cfg.augment)
+    val = data.val.with_transform(image_transform(cfg.image_size, train=False))
+    return train, accelerator.prepare(DataLoader(val, micro_batch, num_workers=workers))
 
 
 def main(argv=None):
     cfg = toolkit.parse_config(Config, argv, description=__doc__.splitlines()[0])
-    cfg = apply_preset(cfg, preset_name(cfg.model))
+    # torchvision's models share torchvision's reference recipe; the toolkit's nets have their own presets.
+    preset = "torchvision" if is_torchvision_model(cfg.model) else cfg.model.removeprefix(TOOLKIT_PREFIX)
+    cfg, lr_rule = apply_preset(cfg, preset)
+    check_config(cfg)
     if cfg.image_size < 1 or cfg.workers is not None and cfg.workers < 0:
         raise toolkit.UserError("--image-size must be at least 1 and --workers at least 0.")
-    accelerator, plan, cfg = start(cfg)
+    accelerator = toolkit.build_accelerator(cfg.engine, mixed_precision=cfg.mixed_precision, timeout=cfg.timeout,
+                                            log_with=cfg.trackers, project_dir=cfg.output_dir,
+                                            checkpoint_format=cfg.checkpoint_format)
+    plan = plan_batches(cfg.global_batch_size, accelerator.num_processes, cfg.micro_batch_size)
+    accelerator.gradient_accumulation_steps = plan.accumulation
+    accelerator.set_seed(cfg.seed)
     with accelerator.main_process_first():  # one parquet cache, not one per rank
         data = open_images(cfg.data_dir, cache_dir=cfg.output_dir)
-    train_loader, test_loader = build_loaders(cfg, data, accelerator, plan.micro_batch)
-    model, optimizer, bn_fallback = prepare_model_and_optimizer(build_model(cfg, len(data.classes), accelerator), cfg,
-                                                                accelerator)
-    run = make_run(cfg, accelerator, plan, model, optimizer, len(train_loader))
+    train_loader, val_loader = build_loaders(cfg, data, accelerator, plan.micro_batch)
+
+    model = build_image_model(cfg.model, len(data.classes), cfg.image_size)
+    if cfg.weights:
+        start_from_weights(model, cfg.weights, accelerator.print)
+    model, average_bn = sync_batchnorm(model, accelerator) if cfg.sync_bn else (model, False)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if cfg.compile:
+        model = torch.compile(model)
+    optimizer = torch.optim.SGD(decay_groups(model, cfg.weight_decay), lr=cfg.lr, momentum=0.9, nesterov=True)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    run = TrainingRun(accelerator, cfg, plan, batches_per_epoch=len(train_loader))
     run.config["classes"] = data.classes  # saved with every checkpoint: the model's outputs, named
+    # Stepped once per optimizer step below (a prepared one ticks once per process), saved with the state.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_linear_decay(run.total_steps, cfg.warmup))
+    accelerator.register_for_checkpointing(scheduler, run)
+    if (folder := run.resume_folder()) is not None:
+        accelerator.load_state(folder)  # weights, optimizer, schedule, every rank's RNG and the run's position
+    accelerator.init_trackers("logs", config=asdict(cfg))  # --log-with's trackers, in OUTPUT_DIR/logs
     accelerator.print(f"{cfg.model} at {cfg.image_size}px on {data.name}: {len(data.train)} train / {len(data.val)} "
                       f"val images, {len(data.classes)} classes; engine {accelerator.name}; global batch {plan}; "
-                      f"{run.total_steps} steps; {cfg.lr_rule}; mixed precision {accelerator.mixed_precision}")
-    metrics, records = fit(run, cfg, train_loader, test_loader, bn_fallback)
-    return finish(run, cfg, records, metrics, dataset=data.name, classes=data.classes)
+                      f"{run.total_steps} steps; {lr_rule}; mixed precision {accelerator.mixed_precision}")
+
+    def save_checkpoint():  # on every rank: under fsdp the weights are gathered (or each rank writes its shards)
+        if average_bn:  # --sync-bn on CPU ranks: every rank saves, then evaluates, the ranks' mean statistics
+            average_batchnorm_stats(model, accelerator)
+        run.checkpoint_saved(accelerator.save_state(run.checkpoint_folder()))
+
+    metrics = None
+    with run_guard(run) as guard:  # Ctrl-C/SIGTERM: a checkpoint at the next step, then exit 130
+        for epoch in run.epochs():
+            model.train()
+            for images, labels in run.batches(train_loader):  # from the saved position; whole optimizer steps
+                with accelerator.accumulate(model):
+                    loss = F.cross_entropy(model(images), labels, label_smoothing=cfg.label_smoothing)
+                    if guard.finite(loss):  # every rank's loss checked together: a NaN stops (or skips) the step
+                        accelerator.backward(loss)
+                    if accelerator.sync_gradients and cfg.clip_grad_norm:
+                        accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                if accelerator.sync_gradients:  # an optimizer step is complete
+                    scheduler.step()
+                    accelerator.log(run.step_done(lr=scheduler.get_last_lr()[0], **guard.step_done()), step=run.step)
+                    if guard.stop_requested or run.checkpoint_due():
+                        save_checkpoint()
+                    guard.stop_if_asked()
+            save_checkpoint()
+            if run.evaluation_due():
+                metrics = evaluate(model, val_loader, accelerator)
+                accelerator.log(run.evaluated(metrics), step=run.step)
+    summary = run.finish(metrics or evaluate(model, val_loader, accelerator), dataset=data.name, classes=data.classes)
+    accelerator.end_training()
+    return summary
 
 
 if __name__ == "__main__":

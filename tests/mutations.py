@@ -110,11 +110,11 @@ MUTATIONS = {
         (f"{PARITY}::test_two_ranks_match_one_process_with_double_batch[ddp]",),
         "averaging: each rank's loss is scaled by the world size, so DDP's mean of gradients is their sum"),
     "bn-stats-summed": Mutation(
-        "toolkit.train.common", _bn_stats_summed,
+        "toolkit.train.batchnorm", _bn_stats_summed,
         (f"{FLAGS}::test_sync_bn_on_two_cpu_ranks_says_so_once_and_saves_the_mean_of_the_ranks_statistics",),
         "averaging: --sync-bn's CPU fallback sums the ranks' BatchNorm statistics"),
     "resume-at-epoch-start": Mutation(
-        "toolkit.train.common", _resume_at_epoch_start,
+        "toolkit.train.data_position", _resume_at_epoch_start,
         ("tests/test_checkpoint.py::test_resume_position_maps_samples_to_steps",),
         "resume: a mid-epoch checkpoint restarts its epoch from the first batch"),
     "checkpoint-drops-optimizer": Mutation(

@@ -10,7 +10,7 @@ from conftest import PY, ROOT, run
 
 from toolkit.models.nets import build_model
 from toolkit.train.checkpoint import latest_checkpoint
-from toolkit.train.common import warmup_linear_decay
+from toolkit.train.optim import warmup_linear_decay
 
 CIFAR = ROOT / "recipes" / "cifar.py"
 RECIPE = [PY, CIFAR, "--dataset", "synthetic", "--model", "tiny", "--epochs", 1, "--global-batch-size", 250,
@@ -30,13 +30,24 @@ def recipe_training(accelerator):
     return model, optimizer, scheduler
 
 
+class Position:
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        self.state = state
+
+
 def test_a_real_accelerator_restores_a_recipe_checkpoint(tmp_path):
     out = tmp_path / "run"
     run(RECIPE + ["--max-steps", 4, "--output-dir", out])
     folder = latest_checkpoint(out / "checkpoints")
     accelerator = Accelerator(cpu=True)
-    model, optimizer, _ = recipe_training(accelerator)
+    model, optimizer, scheduler = recipe_training(accelerator)
+    position = Position()  # the recipe registers its schedule and its run's position, in that order
+    accelerator.register_for_checkpointing(scheduler, position)
     accelerator.load_state(folder)
+    assert scheduler.last_epoch == 4 and (position.state["step"], position.state["samples_in_epoch"]) == (4, 1000)
     saved = safetensors.torch.load_file(folder / "model.safetensors")
     assert all(torch.equal(saved[k], v) for k, v in accelerator.get_state_dict(model).items())
     momentum = optimizer.state_dict()["state"]

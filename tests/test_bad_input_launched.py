@@ -21,7 +21,7 @@ import toolkit
 from conftest import ACCELERATE, CONFIGS, SCRIPTS, TOOLKIT, run
 from test_bad_input import RECIPE_CASES, cifar
 from toolkit.errors import UserError
-from toolkit.train.loop import check_config
+from toolkit.train.config import check_config
 from toolkit.train.presets import apply_preset
 
 CPU = str(CONFIGS / "cpu.yaml")
@@ -42,7 +42,7 @@ TWO_RANKS = {"global batch that does not split": (
 def fails_before_the_group(argv) -> bool:
     """Whether the recipe refuses these flags before it builds its engine (no process group yet)."""
     try:
-        check_config(apply_preset(toolkit.parse_config(cifar.Config, argv)))
+        check_config(apply_preset(toolkit.parse_config(cifar.Config, argv))[0])
     except (UserError, SystemExit):
         return True
     return False

@@ -141,9 +141,9 @@ def test_survivor_of_a_dead_peer_exits_within_the_timeout_with_one_line(tmp_path
 def test_nan_at_step_k_stops_cleanly_or_is_skipped(tmp_path):
     out = tmp_path / "nan"
     # lr 0.05: the tiny net's stable rate (tests/test_recipe.py); at the recipe's 0.2 one epoch may not learn at all
-    flags = ["--dataset", "synthetic", "--model", "tiny", "--epochs", 1, "--lr", 0.05, "--checkpoint-every", 2,
-             "--debug-nan-step", 7]
-    proc = run([PY, CIFAR, *flags, "--output-dir", out], check=False, timeout=180)
+    flags = ["--dataset", "synthetic", "--model", "tiny", "--epochs", 1, "--lr", 0.05, "--checkpoint-every", 2]
+    nan_at_7 = {"TOOLKIT_DEBUG_NAN_STEP": "7"}  # the loss of step 7 made NaN on rank 0
+    proc = run([PY, CIFAR, *flags, "--output-dir", out], check=False, timeout=180, **nan_at_7)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 1 and errors, proc.stderr[-2000:]
     assert "the loss is not finite at step 7 on rank(s) [0]" in errors[0]
@@ -151,7 +151,7 @@ def test_nan_at_step_k_stops_cleanly_or_is_skipped(tmp_path):
     verify_checkpoint(latest_checkpoint(out / "checkpoints"))
 
     skipped = tmp_path / "skip"
-    run([PY, CIFAR, *flags, "--skip-nonfinite", "--output-dir", skipped], timeout=180)
+    run([PY, CIFAR, *flags, "--skip-nonfinite", "--output-dir", skipped], timeout=180, **nan_at_7)
     rows = [json.loads(line) for line in (skipped / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r.get("skipped_ranks")] == [7]
     assert read_json(skipped / "summary.json")["test_accuracy"] > 0.3  # the run went on and learned

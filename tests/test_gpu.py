@@ -47,9 +47,9 @@ def test_cifar_one_gpu_bf16_trains_and_checkpoints(tmp_path):
 def test_fp16_overflow_steps_are_counted_and_reported(tmp_path):
     need_gpus(1)
     # GradScaler starts at 2**16 and halves on every overflow: the first steps of a fresh run overflow on
-    # purpose (--debug-nan-step puts a NaN in one step's loss), so skipped steps exist and must be counted.
+    # purpose (TOOLKIT_DEBUG_NAN_STEP puts a NaN in one step's loss), so skipped steps exist and must be counted.
     proc = run([PY, CIFAR, *FAST, "--engine", "single", "--mixed-precision", "fp16", "--skip-nonfinite",
-                "--debug-nan-step", "2", "--output-dir", tmp_path], timeout=300)
+                "--output-dir", tmp_path], timeout=300, TOOLKIT_DEBUG_NAN_STEP="2")
     assert summary(tmp_path)["skipped_steps"] >= 1
     assert "skipped" in proc.stdout
     # toolkit parity of fp16 against full precision on the same GPU: the difference is expected and explained

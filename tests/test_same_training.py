@@ -48,15 +48,15 @@ def test_presets_fill_what_flags_leave_unset_and_scale_lr_linearly_with_the_glob
     from recipes.cifar import Config
 
     tiny = PRESETS["tiny"]
-    cfg = apply_preset(Config(model="tiny"))
+    cfg, rule = apply_preset(Config(model="tiny"))
     assert (cfg.global_batch_size, cfg.lr, cfg.epochs, cfg.weight_decay) == (64, 0.04, 15, 5e-4)
-    assert cfg.lr_rule == "lr from the tiny preset"
-    scaled = apply_preset(Config(model="tiny", global_batch_size=256))
+    assert rule == "lr from the tiny preset"
+    scaled, rule = apply_preset(Config(model="tiny", global_batch_size=256))
     assert scaled.lr == pytest.approx(tiny.lr * 256 / 64) and scaled.epochs == tiny.epochs
-    assert scaled.lr_rule == "lr 0.16 = 0.04 x 256/64, linear scaling (Goyal et al. 2017)"
-    flagged = apply_preset(Config(model="resnet9", global_batch_size=256, lr=0.3, epochs=2))
-    assert (flagged.lr, flagged.epochs, flagged.lr_rule) == (0.3, 2, "lr from --lr")
-    assert apply_preset(Config(model="resnet18")).global_batch_size == PRESETS["resnet18"].global_batch_size
+    assert rule == "lr 0.16 = 0.04 x 256/64, linear scaling (Goyal et al. 2017)"
+    flagged, rule = apply_preset(Config(model="resnet9", global_batch_size=256, lr=0.3, epochs=2))
+    assert (flagged.lr, flagged.epochs, rule) == (0.3, 2, "lr from --lr")
+    assert apply_preset(Config(model="resnet18"))[0].global_batch_size == PRESETS["resnet18"].global_batch_size
 
 
 # ----------------------------------------------------------------------------- real digits, three launchers

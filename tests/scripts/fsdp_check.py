@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import toolkit
-from toolkit.data.memory import MemoryLoader, normalize
+from toolkit.data.memory import normalize
 from toolkit.models.nets import tiny
-from toolkit.train.common import evaluate
+from toolkit.train.evaluation import evaluate
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
@@ -87,7 +87,7 @@ if accelerator.is_main_process:
 torch.manual_seed(5)
 fresh = net()
 fresh, fresh_optimizer = accelerator.prepare(fresh, sgd(fresh.parameters()))
-toolkit.models.weights.load_model(fresh, reference.state_dict())
+toolkit.engines.weights.load_model(fresh, reference.state_dict())
 fresh_optimizer.load_state_dict(ref_state)
 xs, ys = X[:global_batch], Y[:global_batch]
 F.cross_entropy(reference(xs), ys).backward()
@@ -100,14 +100,17 @@ state = accelerator.get_state_dict(fresh)
 if accelerator.is_main_process:
     out["resumed_diff"] = max_diff(state, reference.state_dict())
 
-# Exact evaluation: 101 images over W ranks in batches of 25, so ranks run different numbers of batches.
+# Exact evaluation: 101 images over W ranks in batches of 25, a number no world size > 1 divides.
 torch.manual_seed(0)
 image_net, ref_image_net = tiny(10), tiny(10)
 ref_image_net.load_state_dict(image_net.state_dict())
 image_net = accelerator.prepare(image_net)
 images = torch.randint(0, 256, (101, 3, 32, 32), dtype=torch.uint8, generator=g)
 labels = torch.randint(0, 10, (101,), generator=g)
-metrics = evaluate(image_net, MemoryLoader(images, labels, 25, rank=rank, world_size=W, train=False), accelerator)
+# A prepared loader pads the last batches so every rank runs as many (FSDP's collectives pair up);
+# gather_for_metrics drops the padding again.
+test_loader = accelerator.prepare(DataLoader(TensorDataset(normalize(images), labels), batch_size=25))
+metrics = evaluate(image_net, test_loader, accelerator)
 with torch.no_grad():
     logits = ref_image_net(normalize(images))
 out["eval"] = metrics

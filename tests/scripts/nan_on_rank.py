@@ -1,10 +1,10 @@
 """Run a recipe as `__main__` with the training loss made NaN on one rank at one step, so a test can check
-what a NaN on a rank other than the main one does (--debug-nan-step injects only on the main process).
+what a NaN on a rank other than the main one does (TOOLKIT_DEBUG_NAN_STEP injects only on the main process).
 
     NAN_RANK=1 NAN_STEP=5 torchrun --nproc_per_node 2 tests/scripts/nan_on_rank.py recipes/cifar.py ...
 
-The recipe's loss is torch.nn.functional.cross_entropy with the default mean reduction; evaluation sums
-(reduction="sum") and is left alone. Counting calls counts optimizer steps when there is no accumulation.
+The recipe's loss is torch.nn.functional.cross_entropy with the default mean reduction; evaluation's
+(reduction="none") is left alone. Counting calls counts optimizer steps when there is no accumulation.
 
 The main process waits a second before it claims the sentence, so the poisoned rank always says it while
 the main process's progress bar is still on the shared terminal line (the case that once glued the two).

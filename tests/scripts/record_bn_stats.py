@@ -12,10 +12,11 @@ import sys
 
 import torch
 
-import toolkit.train.run_state as run_state
+import toolkit.train
+import toolkit.train.batchnorm as batchnorm
 
 PREFIX = os.environ["BN_STATS_PREFIX"]
-average, calls = run_state.average_batchnorm_stats, itertools.count()
+average, calls = batchnorm.average_batchnorm_stats, itertools.count()
 
 
 def record_then_average(model, accelerator):
@@ -25,7 +26,8 @@ def record_then_average(model, accelerator):
     average(model, accelerator)
 
 
-run_state.average_batchnorm_stats = record_then_average
+# Both names, before the recipe imports one of them.
+batchnorm.average_batchnorm_stats = toolkit.train.average_batchnorm_stats = record_then_average
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 sys.path.insert(0, os.path.dirname(os.path.abspath(script)))

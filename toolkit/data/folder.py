@@ -183,7 +183,7 @@ class StreamingLoader:
     """Batches decoded by DataLoader workers, moved to `device`. Train: this rank's DistributedSampler share,
     whole batches only; eval: the disjoint shard r::W, every image once."""
 
-    resumes_mid_epoch = True  # toolkit.train.common.epoch_batches calls set_epoch(epoch, start_batch)
+    resumes_mid_epoch = True  # toolkit.train.data_position.epoch_batches calls set_epoch(epoch, start_batch)
 
     def __init__(self, images: ImageFiles, batch_size: int, *, rank: int, world_size: int, seed: int, image_size: int,
                  train: bool, augment: str = "crop-flip", workers: int = 2, device="cpu"):

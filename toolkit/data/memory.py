@@ -246,6 +246,8 @@ class MemoryLoader:
         ...     for images, labels in loader: ...
     """
 
+    resumes_mid_epoch = True  # toolkit.train.data_position.epoch_batches calls set_epoch(epoch, start_batch)
+
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, *, rank: int = 0,
                  world_size: int = 1, seed: int = 0, train: bool = True, device="cpu", drop_last=None,
                  augment: str = "crop-flip"):

@@ -1,3 +1,18 @@
-"""Training: the loop both recipes share (`loop`), the global batch split over processes (`batching`),
-per-model hyperparameters (`presets`), evaluation, schedule and step helpers (`common`), where a run is and
-how it resumes (`run_state`), checkpoints (`checkpoint`) and metrics files (`records`)."""
+"""The parts a recipe's training loop calls: the shared flags (`config`), the global batch split over processes
+(`batching`), per-model hyperparameters (`presets`), parameter groups and schedules (`optim`), where a run
+stands and what it records (`run`, `records`), what stops it cleanly (`guard`), exact evaluation
+(`evaluation`), BatchNorm across ranks (`batchnorm`), mid-epoch resume (`data_position`) and checkpoints.
+"""
+
+from toolkit.train.batching import BatchPlan, plan_batches
+from toolkit.train.batchnorm import average_batchnorm_stats, sync_batchnorm
+from toolkit.train.config import TrainingConfig, check_config
+from toolkit.train.evaluation import evaluate
+from toolkit.train.guard import run_guard
+from toolkit.train.optim import decay_groups, warmup_cosine, warmup_linear_decay
+from toolkit.train.presets import apply_preset
+from toolkit.train.run import TrainingRun
+
+__all__ = ["BatchPlan", "TrainingConfig", "TrainingRun", "apply_preset", "average_batchnorm_stats", "check_config",
+           "decay_groups", "evaluate", "plan_batches", "run_guard", "sync_batchnorm", "warmup_cosine",
+           "warmup_linear_decay"]

@@ -5,9 +5,10 @@ the same thing on one CPU and on 64 GPUs. Flags override presets. When the globa
 and --lr is not given, the learning rate follows the linear scaling rule with warm-up (Goyal et al.
 2017, "Accurate, Large Minibatch SGD"): lr = preset lr x global batch / preset global batch.
 
-    >>> cfg = apply_preset(Config(model="tiny"))           # every None filled from PRESETS["tiny"]
-    >>> cfg.global_batch_size, cfg.lr
-    (64, 0.04)
+    >>> from toolkit.train.config import TrainingConfig
+    >>> cfg, rule = apply_preset(TrainingConfig(model="tiny", global_batch_size=128))
+    >>> cfg.lr, rule
+    (0.08, 'lr 0.08 = 0.04 x 128/64, linear scaling (Goyal et al. 2017)')
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class Preset:
     warmup: float  # fraction of the optimizer steps spent warming up linearly; then linear decay to 0
     epochs: int
     label_smoothing: float
+    clip_grad_norm: float | None = None  # the global gradient norm clipped to this; None: no clipping
 
 
 PRESETS = {
@@ -62,9 +64,9 @@ def preset_for(model: str) -> Preset:
 
 
 def apply_preset(cfg, preset_name: str | None = None):
-    """A copy of `cfg` whose unset (None) preset fields come from its model's preset (or `preset_name`'s);
-    the learning rate scales linearly with the global batch when only the batch was changed. The copy's
-    `lr_rule` says how the learning rate was chosen, for the start line."""
+    """(a copy of `cfg` whose unset (None) preset fields come from its model's preset (or `preset_name`'s),
+    how the learning rate was chosen, for the start line); the learning rate scales linearly with the global
+    batch when only the batch was changed."""
     preset = preset_for(preset_name or cfg.model)
     filled = {name: getattr(preset, name) for name in PRESET_FIELDS if getattr(cfg, name) is None}
     batch = cfg.global_batch_size or preset.global_batch_size
@@ -75,4 +77,4 @@ def apply_preset(cfg, preset_name: str | None = None):
     else:
         filled["lr"] = preset.lr * batch / preset.global_batch_size
         rule = f"lr {filled['lr']:g} = {preset.lr:g} x {batch}/{preset.global_batch_size}, {LR_RULE}"
-    return dataclasses.replace(cfg, **filled, lr_rule=rule)
+    return dataclasses.replace(cfg, **filled), rule

@@ -79,17 +79,15 @@ class Throughput:
         return round(images / seconds, 1) if seconds > 0 else None
 
 
-def check_fresh_output_dir(output_dir: str | Path, resume: str | None, restarts: int = 0):
+def check_fresh_output_dir(output_dir: str | Path, resume: str | None, restarts: int = 0, parity: bool = False):
     """Refuse to start a new run in a folder that already holds one: both runs' rows would mix in the
     metrics files and the new run would prune the old one's checkpoints. Resuming (--resume, or a restart
-    by torchrun/toolkit launch: `restarts` > 0, and it resumes on its own) and `toolkit parity` (whose two
-    sides share the script's arguments for a few steps) continue in it on purpose.
+    by torchrun/toolkit launch: `restarts` > 0, and it resumes on its own) and `toolkit parity` (`parity`: its
+    two sides share the script's arguments for a few steps) continue in it on purpose.
 
     >>> check_fresh_output_dir("/nonexistent/run", None)
     """
-    from toolkit.check.capture import read_parity_request
-
-    if resume is not None or restarts or read_parity_request() is not None:
+    if resume is not None or restarts or parity:
         return
     path = Path(output_dir)
     if path.is_dir() and any(path.iterdir()):

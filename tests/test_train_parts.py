@@ -1,0 +1,126 @@
+"""The parts a recipe's loop calls (toolkit/train), each on its own in one process with the single engine:
+the run's schedule and position, its state across world sizes, the guard's loss check and stop, and
+evaluation through gather_for_metrics. The recipes run them under every launcher in the other test files."""
+
+import os
+import signal
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import toolkit
+from toolkit.errors import RunFailure, UserError
+from toolkit.train import (TrainingConfig, TrainingRun, apply_preset, check_config, evaluate, plan_batches,
+                           run_guard)
+
+
+@pytest.fixture(scope="module")
+def accelerator():
+    accelerator = toolkit.build_accelerator("single")
+    yield accelerator
+    accelerator.end_training()
+
+
+def config(tmp_path, **changes):
+    cfg, _ = apply_preset(TrainingConfig(model="tiny", output_dir=str(tmp_path / "run"), seed=5))
+    return check_config(replace(cfg, **changes))
+
+
+def test_the_schedule_counts_whole_optimizer_steps_and_max_steps_caps_it(accelerator, tmp_path):
+    plan = plan_batches(64, 1, 16)  # accumulation 4
+    run = TrainingRun(accelerator, config(tmp_path, epochs=3), plan, batches_per_epoch=39)
+    assert (run.micro_per_epoch, run.steps_per_epoch, run.total_steps) == (36, 9, 27)  # 3 micro-batches left out
+    capped = TrainingRun(accelerator, config(tmp_path, epochs=3, max_steps=10, resume="auto"), plan, 39)
+    assert capped.total_steps == 10
+    with pytest.raises(UserError, match="fewer than the 4 of one optimizer step"):
+        TrainingRun(accelerator, config(tmp_path, resume="auto"), plan, batches_per_epoch=3)
+
+
+def test_batches_stop_at_the_epochs_last_whole_step_and_step_done_rolls_the_epoch(accelerator, tmp_path):
+    plan = plan_batches(4, 1, 2)  # accumulation 2
+    run = TrainingRun(accelerator, config(tmp_path, epochs=2), plan, batches_per_epoch=5)
+    loader = list(range(5))
+    seen = []
+    for epoch in run.epochs():
+        for i, batch in enumerate(run.batches(loader)):
+            seen.append((epoch, batch))
+            if i % 2 == 1:  # the second micro-batch of each step completes it
+                run.step_done(loss=1.0, lr=0.1)
+    assert seen == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]  # batch 4 is half a step
+    assert (run.step, run.epoch, run.batch, run.images) == (4, 2, 0, 16)
+
+
+def test_the_position_maps_through_samples_to_another_world_size(accelerator, tmp_path):
+    """A 2-process run 6 steps into its second epoch (global batch 64, micro-batch 8: accumulation 4) resumes
+    here (1 process, micro-batch 16: accumulation 4) at the same sample."""
+    state = {"step": 16, "epoch": 1, "samples_in_epoch": 6 * 64, "world_size": 2, "engine": "ddp",
+             "config": {"model": "tiny"}}
+    run = TrainingRun(accelerator, config(tmp_path, resume="auto"), plan_batches(64, 1, 16), batches_per_epoch=40)
+    run._resumed_from = "a 2-process checkpoint"
+    run.load_state_dict(state)
+    assert (run.step, run.epoch, run.batch) == (16, 1, 24)  # 6 optimizer steps of 4 micro-batches
+    saved = run.state_dict()
+    assert (saved["samples_in_epoch"], saved["world_size"], saved["config"]["seed"]) == (384, 1, 5)
+    assert run.state_json() == saved  # what state.json holds
+
+
+def test_a_second_run_in_a_used_output_dir_is_refused(accelerator, tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(UserError, match="already holds files of another run"):
+        TrainingRun(accelerator, config(tmp_path), plan_batches(64, 1), batches_per_epoch=10)
+
+
+def test_the_guard_stops_on_a_nonfinite_loss_or_skips_it_and_averages_the_steps_losses(accelerator, tmp_path):
+    plan = plan_batches(64, 1, 32)
+    run = TrainingRun(accelerator, config(tmp_path), plan, batches_per_epoch=10)
+    with run_guard(run) as guard:
+        assert guard.finite(torch.tensor(1.0)) and guard.finite(torch.tensor(2.0))
+        assert guard.step_done() == {"loss": 1.5}
+        with pytest.raises(RunFailure, match=r"the loss is not finite at step 1 on rank\(s\) \[0\]"):
+            guard.finite(torch.tensor(float("nan")))
+    skipping = TrainingRun(accelerator, config(tmp_path, skip_nonfinite=True, resume="auto"), plan, 10)
+    with run_guard(skipping) as guard:
+        assert not guard.finite(torch.tensor(float("inf")))
+        assert guard.finite(torch.tensor(3.0))
+        done = guard.step_done()
+        assert done["skipped_ranks"] == [0] and done["loss"] == float("inf")
+        assert list(guard.step_done()) == ["loss"] and not guard._losses  # reset: nothing recorded since
+
+
+def test_a_signal_is_honoured_at_the_step_boundary_with_exit_130(accelerator, tmp_path):
+    run = TrainingRun(accelerator, config(tmp_path), plan_batches(64, 1), batches_per_epoch=10)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exited:
+        with run_guard(run) as guard:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert not guard.stop_requested  # not yet agreed: the next loss check carries it to every rank
+            guard.finite(torch.tensor(1.0))
+            assert guard.stop_requested
+            guard.stop_if_asked()
+    assert exited.value.code == 130 and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_evaluate_counts_every_sample_once_and_matches_a_plain_computation(accelerator):
+    torch.manual_seed(3)
+    model = torch.nn.Linear(5, 4)
+    x, y = torch.randn(101, 5), torch.randint(0, 4, (101,))
+    loader = accelerator.prepare(DataLoader(TensorDataset(x, y), batch_size=25))
+    metrics = evaluate(model, loader, accelerator)
+    with torch.no_grad():
+        logits = model(x)
+    assert metrics["count"] == 101
+    assert metrics["accuracy"] == pytest.approx((logits.argmax(1) == y).double().mean().item(), abs=1e-12)
+    assert metrics["loss"] == pytest.approx(torch.nn.functional.cross_entropy(logits, y).item(), rel=1e-6)
+    top2 = evaluate(model, loader, accelerator, top_k=2)["accuracy"]
+    assert top2 == pytest.approx((logits.topk(2).indices == y[:, None]).any(1).double().mean().item())
+    # Next-token shapes: (batch, time, vocab) logits, each sequence's tokens averaged, then the sequences.
+    tokens = torch.randint(0, 4, (7, 3))
+    sequence_model = torch.nn.Sequential(torch.nn.Embedding(4, 4))
+    sequences = accelerator.prepare(DataLoader(TensorDataset(tokens, tokens.roll(1, 1)), batch_size=2))
+    result = evaluate(sequence_model, sequences, accelerator)
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(sequence_model(tokens).reshape(-1, 4), tokens.roll(1, 1).reshape(-1))
+    assert result["count"] == 7 and result["loss"] == pytest.approx(expected.item(), rel=1e-6)

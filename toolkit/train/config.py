@@ -1,0 +1,72 @@
+"""The flags every training recipe shares, declared once: the parts in toolkit/train read these names, and a
+recipe's own `Config(TrainingConfig)` adds its data and model flags and its defaults.
+
+`None` means "the preset's" (toolkit/train/presets.py fills it, each value with its source).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from toolkit.engines import ENGINES
+from toolkit.errors import UserError
+
+CHECKPOINT_FORMATS = ("full", "sharded")
+
+
+@dataclass
+class TrainingConfig:
+    model: str = field(default="tiny", metadata={"help": "the model to train (the recipe lists its models)"})
+    output_dir: str = field(default="runs/train", metadata={"help": "checkpoints, metrics and summary.json"})
+    global_batch_size: int | None = field(default=None, metadata={"help": "samples per optimizer step, all processes; "
+                                          "from the preset"})
+    micro_batch_size: int | None = field(default=None, metadata={"help": "samples per process per forward "
+                                         "(caps memory; default: global batch / processes)"})
+    lr: float | None = field(default=None, metadata={"help": "peak learning rate; default: the preset's, scaled "
+                             "linearly with the global batch"})
+    weight_decay: float | None = field(default=None, metadata={"help": "decoupled from biases and norms; from the preset"})
+    warmup: float | None = field(default=None, metadata={"help": "fraction of steps warming up; from the preset"})
+    label_smoothing: float | None = field(default=None, metadata={"help": "cross-entropy label smoothing; from the preset"})
+    epochs: int | None = field(default=None, metadata={"help": "passes over the training set; from the preset"})
+    max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
+    clip_grad_norm: float | None = field(default=None, metadata={"help": "clip the global gradient norm to this "
+                                         "(after unscaling under fp16); default: the preset's (none for images)"})
+    sync_bn: bool = field(default=False, metadata={"help": "synchronise BatchNorm statistics across ranks"})
+    compile: bool = field(default=False, metadata={"help": "torch.compile the model"})
+    channels_last: bool = field(default=False, metadata={"help": "NHWC memory format (faster on tensor cores)"})
+    checkpoint_every: int = field(default=0, metadata={"help": "optimizer steps between checkpoints (0: epochs)"})
+    keep: int = field(default=3, metadata={"help": "checkpoints kept"})
+    checkpoint_format: str = field(default="full", metadata={"choices": list(CHECKPOINT_FORMATS), "help": "full: "
+                                   "weights gathered into one safetensors file; sharded: each rank writes its own "
+                                   "shards (torch.distributed.checkpoint), resumable at any world size"})
+    resume: str | None = field(default=None, metadata={"help": "auto (latest in output-dir) or a checkpoint path"})
+    seed: int = field(default=0, metadata={"help": "seeds weights, data order and augmentation"})
+    eval_every: int = field(default=1, metadata={"help": "epochs between evaluations"})
+    engine: str = field(default="auto", metadata={"choices": ["auto", *ENGINES]})
+    mixed_precision: str | None = field(default=None, metadata={"choices": ["no", "bf16", "fp16"]})
+    timeout: float = field(default=300.0, metadata={"help": "seconds a collective waits for a silent peer"})
+    log_with: str | None = field(default=None, metadata={"help": "experiment trackers, comma-separated: tensorboard, "
+                                 "trackio, jsonl, csv or all (written to OUTPUT_DIR/logs by the main process)"})
+    skip_nonfinite: bool = field(default=False, metadata={"help": "skip steps whose loss is NaN/inf, not stop"})
+
+    @property
+    def trackers(self) -> list[str] | None:
+        """--log-with as the list `build_accelerator(log_with=...)` takes."""
+        return [name.strip() for name in self.log_with.split(",")] if self.log_with else None
+
+
+def check_config(cfg: TrainingConfig) -> TrainingConfig:
+    """`cfg` if its values can train (after presets filled it); else one sentence naming the flag."""
+    for name in ("epochs", "keep", "eval_every"):
+        if getattr(cfg, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(cfg, name)}.")
+    if cfg.max_steps is not None and cfg.max_steps < 1 or cfg.checkpoint_every < 0 or cfg.lr <= 0 or cfg.timeout <= 0:
+        raise UserError("--max-steps must be at least 1, --checkpoint-every at least 0, --lr and --timeout positive.")
+    if cfg.weight_decay < 0 or not 0 <= cfg.warmup < 1 or not 0 <= cfg.label_smoothing < 1:
+        raise UserError("--weight-decay must be at least 0, --warmup and --label-smoothing in [0, 1).")
+    if cfg.clip_grad_norm is not None and cfg.clip_grad_norm <= 0:
+        raise UserError(f"--clip-grad-norm must be positive, not {cfg.clip_grad_norm}.")
+    if cfg.resume not in (None, "auto") and not Path(cfg.resume).exists():
+        raise UserError(f"--resume {cfg.resume}: that path does not exist; pass a checkpoint folder or 'auto'.")
+    return cfg

@@ -1,0 +1,116 @@
+"""What stops a run cleanly, entered once around the loop: `with run_guard(run) as guard:`.
+
+- Ctrl-C or SIGTERM asks the loop to stop at the next optimizer step, where the state is consistent: the
+  recipe saves a checkpoint and `guard.stop_if_asked()` exits 130 (a second Ctrl-C stops at once);
+- `guard.finite(loss)` gathers every rank's loss (one small all-gather per micro-step, with the stop flag),
+  so all ranks agree: a NaN/inf loss stops the run in one sentence before its optimizer step, or skips that
+  step on every rank under --skip-nonfinite;
+- an error a collective raises because another rank died becomes one sentence (exit 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+
+import torch
+
+from toolkit.errors import RunFailure
+
+
+class StopRequest:
+    """SIGINT/SIGTERM handlers that set `requested` (restored on exit); a second Ctrl-C raises KeyboardInterrupt."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def _handle(self, signum, _frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self):
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False
+
+
+class RunGuard:
+    def __init__(self, run, stop: StopRequest):
+        self.run, self.accelerator, self._stop = run, run.accelerator, stop
+        self.stop_requested = False  # any rank asked, as of the last finite() call: the same on every rank
+        self.skipped_ranks: list[int] = []  # ranks whose loss was not finite in this optimizer step
+        self._losses: list[torch.Tensor] = []  # every rank's loss of each micro-step of this optimizer step
+
+    def finite(self, loss) -> bool:
+        """True when every rank's `loss` is finite (then call backward); False when some rank's is not and
+        --skip-nonfinite skips the step on every rank; otherwise a RunFailure naming the ranks."""
+        step = self.run.step + 1
+        if step == self.run.env.debug_nan_step and self.accelerator.is_main_process:  # tests inject a NaN here
+            loss = loss * float("nan")
+        mine = torch.stack([loss.detach().float().reshape(()),
+                            torch.tensor(float(self._stop.requested), device=loss.device)]).unsqueeze(0)
+        rows = self.accelerator.gather(mine).tolist()  # world x (loss, asked to stop): the step's one host sync
+        losses = [row[0] for row in rows]
+        bad = [rank for rank, value in enumerate(losses) if not math.isfinite(value)]
+        self.stop_requested = self.stop_requested or any(row[1] for row in rows)
+        if bad and not self.run.cfg.skip_nonfinite:
+            raise RunFailure(f"the loss is not finite at step {step} on rank(s) {bad}; stopped with the checkpoints "
+                             f"of step {step - 1} and before intact (--skip-nonfinite skips such steps).")
+        self.skipped_ranks = sorted(set(self.skipped_ranks) | set(bad))
+        self._losses.append(torch.tensor(losses))
+        return not bad
+
+    def step_done(self) -> dict:
+        """{"loss": the mean over every rank and micro-step of the optimizer step just done (the global batch's
+        loss, whatever its split: micro-batches are of equal size), "skipped_ranks" when some were}; then reset."""
+        done = {"loss": torch.cat(self._losses).mean().item() if self._losses else float("nan")}
+        if self.skipped_ranks:
+            done["skipped_ranks"] = self.skipped_ranks
+        self._losses, self.skipped_ranks = [], []
+        return done
+
+    def stop_if_asked(self):
+        """After the step's checkpoint: exit 130 on every rank when any rank was asked to stop."""
+        if self.stop_requested:
+            self.run.say(f"interrupted at step {self.run.step}: checkpoint saved; resume with --resume auto")
+            raise SystemExit(130)
+
+
+@contextlib.contextmanager
+def run_guard(run):
+    """Signals handled, a lost peer said in one sentence, and the run's progress bar closed on the way out."""
+    with StopRequest() as stop:
+        try:
+            yield RunGuard(run, stop)
+        except Exception as error:
+            if is_peer_failure(error):
+                raise RunFailure(peer_failure_message(error, run.accelerator, run.step, run.cfg.timeout)) from None
+            raise
+        finally:
+            run.close_progress()
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """True for the errors a collective raises when another rank died or stopped answering."""
+    import torch.distributed as dist
+
+    if isinstance(error, (dist.DistBackendError, dist.DistNetworkError)):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out",
+                            "Broken pipe", "NCCL communicator was aborted", "ProcessGroupGloo"))
+
+
+def peer_failure_message(error: BaseException, accelerator, step: int, timeout: float) -> str:
+    first_line = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    return (f"rank {accelerator.process_index} lost contact with the other ranks at step {step} (a peer died or did "
+            f"not answer within {timeout:g} s: {first_line[:160]}); checkpoints on disk are intact, "
+            "relaunch with --resume auto.")
