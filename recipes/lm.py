@@ -1,0 +1,113 @@
+"""Train a small character-level GPT on a text file with the Accelerator API: the same loop as the image
+recipes, with AdamW, a cosine schedule, gradient clipping and a next-token loss.
+
+    python recipes/lm.py --epochs 2                                               # one process, the shipped text
+    accelerate launch --config_file accelerate_configs/cpu.yaml recipes/lm.py     # 2 CPU processes, one gloo group
+    torchrun --nproc_per_node 2 recipes/lm.py --engine ddp
+    torchrun --nproc_per_node 2 recipes/lm.py --engine fsdp                       # each block sharded (FSDP2)
+    toolkit launch --config_file accelerate_configs/multi_gpu.yaml recipes/lm.py --text my_corpus.txt
+
+--text is any UTF-8 file (default: the Book of Genesis shipped in toolkit/data/texts/); its last 10% is the
+validation text. Characters are the tokens. --global-batch-size counts sequences of --block-size characters
+per optimizer step over all processes, the same under every launcher. Defaults come from the gpt-tiny preset
+(toolkit/train/presets.py). Test accuracy is next-character accuracy; test loss is in nats per character.
+"""
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+import toolkit
+from toolkit.data.text import GENESIS, WindowLoader, load_text, window_dataset
+from toolkit.models.gpt import GPT_SIZES, build_gpt
+from toolkit.train import (EvalMetrics, TrainingConfig, TrainingRun, apply_preset, check_config, decay_groups,
+                           plan_batches, run_guard, warmup_cosine)
+
+
+@dataclass
+class Config(TrainingConfig):  # the shared training flags (toolkit/train/config.py) plus this recipe's
+    text: str = field(default=str(GENESIS), metadata={"help": "a UTF-8 text file; its last 10%% is validation"})
+    model: str = field(default="gpt-tiny", metadata={"choices": sorted(GPT_SIZES)})
+    block_size: int | None = field(default=None, metadata={"help": "characters per sequence (default: the "
+                                   "model size's context)"})
+    output_dir: str = field(default="runs/lm", metadata={"help": "checkpoints, metrics and summary.json"})
+
+
+@torch.no_grad()
+def evaluate(model, loader, accelerator) -> dict:
+    """Accuracy and mean loss over a prepared loader: gather_for_metrics drops the samples the sampler repeated
+    to even out the last batch, so every sequence counts once on any world size."""
+    model.eval()
+    metrics = EvalMetrics()
+    for inputs, targets in loader:
+        metrics.update(*accelerator.gather_for_metrics((model(inputs), targets)))
+    model.train()
+    return metrics.compute()
+
+
+def main(argv=None):
+    cfg, lr_rule = apply_preset(toolkit.parse_config(Config, argv, description=__doc__.splitlines()[0]))
+    check_config(cfg)
+    block_size = cfg.block_size or GPT_SIZES[cfg.model]["block_size"]
+    accelerator = toolkit.build_accelerator(cfg.engine, mixed_precision=cfg.mixed_precision, timeout=cfg.timeout,
+                                            log_with=cfg.trackers, project_dir=cfg.output_dir,
+                                            checkpoint_format=cfg.checkpoint_format)
+    plan = plan_batches(cfg.global_batch_size, accelerator.num_processes, cfg.micro_batch_size)
+    accelerator.gradient_accumulation_steps = plan.accumulation
+    accelerator.set_seed(cfg.seed)
+    text = load_text(cfg.text)
+    # Training windows sharded so that every optimizer step holds the same sequences on any world size.
+    train_loader = WindowLoader(text.train, block_size, plan.micro_batch, rank=accelerator.process_index,
+                                world_size=accelerator.num_processes, seed=cfg.seed, device=accelerator.device)
+    val_loader = accelerator.prepare(DataLoader(window_dataset(text.val, block_size), plan.micro_batch))
+
+    model = build_gpt(cfg.model, text.vocab_size, block_size=block_size)
+    if cfg.compile:
+        model = torch.compile(model)
+    optimizer = torch.optim.AdamW(decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.99))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    run = TrainingRun(accelerator, cfg, plan, batches_per_epoch=len(train_loader), unit="sequences")
+    run.config["vocabulary"] = text.chars  # saved with every checkpoint: what each output means
+    # Stepped once per optimizer step below (a prepared one ticks once per process), saved with the state.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(run.total_steps, cfg.warmup))
+    accelerator.register_for_checkpointing(scheduler, run)
+    if (folder := run.resume_folder()) is not None:
+        accelerator.load_state(folder)  # weights, optimizer, schedule, every rank's RNG and the run's position
+    accelerator.init_trackers("logs", config=asdict(cfg))  # --log-with's trackers, in OUTPUT_DIR/logs
+    accelerator.print(f"{cfg.model} on {text.name}: {len(text.train)} train / {len(text.val)} val characters, "
+                      f"{text.vocab_size} distinct; {block_size} per sequence; engine {accelerator.name}; global batch "
+                      f"{plan}; {run.total_steps} steps; {lr_rule}; mixed precision {accelerator.mixed_precision}")
+
+    metrics = None
+    with run_guard(run) as guard:  # Ctrl-C/SIGTERM: a checkpoint at the next step, then exit 130
+        for epoch in run.epochs():
+            model.train()
+            for x, y in run.batches(train_loader):  # from the saved position; whole optimizer steps
+                with accelerator.accumulate(model):
+                    logits = model(x)
+                    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+                    if guard.finite(loss):  # every rank's loss checked together: a NaN stops (or skips) the step
+                        accelerator.backward(loss)
+                    if accelerator.sync_gradients and cfg.clip_grad_norm:
+                        accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                if accelerator.sync_gradients:  # an optimizer step is complete
+                    scheduler.step()
+                    accelerator.log(run.step_done(lr=scheduler.get_last_lr()[0], **guard.step_done()), step=run.step)
+                    if guard.stop_requested or run.checkpoint_due():
+                        run.checkpoint_saved(accelerator.save_state(run.checkpoint_folder()))
+                    guard.stop_if_asked()
+            run.checkpoint_saved(accelerator.save_state(run.checkpoint_folder()))
+            if run.evaluation_due():
+                metrics = evaluate(model, val_loader, accelerator)
+                accelerator.log(run.evaluated(metrics), step=run.step)
+    summary = run.finish(metrics or evaluate(model, val_loader, accelerator), vocab_size=text.vocab_size)
+    accelerator.end_training()
+    return summary
+
+
+if __name__ == "__main__":
+    main()
