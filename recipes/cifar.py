@@ -30,8 +30,8 @@ import toolkit
 from toolkit.data import DATASET_CHOICES, load_data
 from toolkit.data.memory import AUGMENTATIONS, MemoryLoader, build_torch_loader, normalize
 from toolkit.models.nets import MODELS, build_model
-from toolkit.train import (TrainingConfig, TrainingRun, apply_preset, average_batchnorm_stats, check_config,
-                           decay_groups, evaluate, plan_batches, run_guard, sync_batchnorm, warmup_linear_decay)
+from toolkit.train import (EvalMetrics, TrainingConfig, TrainingRun, apply_preset, average_batchnorm_stats,
+                           check_config, decay_groups, plan_batches, run_guard, sync_batchnorm, warmup_linear_decay)
 
 
 @dataclass
@@ -57,6 +57,18 @@ def build_loaders(cfg, data, accelerator, micro_batch: int):
                                                        seed=cfg.seed, augment=cfg.augment))
     test = accelerator.prepare(DataLoader(TensorDataset(normalize(data.test_x), data.test_y), micro_batch))
     return train, test
+
+
+@torch.no_grad()
+def evaluate(model, loader, accelerator) -> dict:
+    """Accuracy and mean loss over a prepared loader: gather_for_metrics drops the samples the sampler repeated
+    to even out the last batch, so every image counts once on any world size."""
+    model.eval()
+    metrics = EvalMetrics()
+    for inputs, targets in loader:
+        metrics.update(*accelerator.gather_for_metrics((model(inputs), targets)))
+    model.train()
+    return metrics.compute()
 
 
 def main(argv=None):

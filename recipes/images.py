@@ -27,8 +27,8 @@ import toolkit
 from toolkit.data.folder import StreamingLoader, default_workers, image_transform, open_images
 from toolkit.data.memory import AUGMENTATIONS
 from toolkit.models.vision import TOOLKIT_PREFIX, build_image_model, is_torchvision_model, start_from_weights
-from toolkit.train import (TrainingConfig, TrainingRun, apply_preset, average_batchnorm_stats, check_config,
-                           decay_groups, evaluate, plan_batches, run_guard, sync_batchnorm, warmup_linear_decay)
+from toolkit.train import (EvalMetrics, TrainingConfig, TrainingRun, apply_preset, average_batchnorm_stats,
+                           check_config, decay_groups, plan_batches, run_guard, sync_batchnorm, warmup_linear_decay)
 
 
 @dataclass
@@ -56,6 +56,18 @@ def build_loaders(cfg, data, accelerator, micro_batch: int):
                             device=accelerator.device, train=True, augment=cfg.augment)
     val = data.val.with_transform(image_transform(cfg.image_size, train=False))
     return train, accelerator.prepare(DataLoader(val, micro_batch, num_workers=workers))
+
+
+@torch.no_grad()
+def evaluate(model, loader, accelerator) -> dict:
+    """Accuracy and mean loss over a prepared loader: gather_for_metrics drops the samples the sampler repeated
+    to even out the last batch, so every image counts once on any world size."""
+    model.eval()
+    metrics = EvalMetrics()
+    for inputs, targets in loader:
+        metrics.update(*accelerator.gather_for_metrics((model(inputs), targets)))
+    model.train()
+    return metrics.compute()
 
 
 def main(argv=None):

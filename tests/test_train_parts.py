@@ -1,6 +1,6 @@
 """The parts a recipe's loop calls (toolkit/train), each on its own in one process with the single engine:
 the run's schedule and position, its state across world sizes, the guard's loss check and stop, and
-evaluation through gather_for_metrics. The recipes run them under every launcher in the other test files."""
+evaluation metrics through gather_for_metrics. The recipes run them under every launcher in the other test files."""
 
 import os
 import signal
@@ -12,8 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import toolkit
 from toolkit.errors import RunFailure, UserError
-from toolkit.train import (TrainingConfig, TrainingRun, apply_preset, check_config, evaluate, plan_batches,
-                           run_guard)
+from toolkit.train import EvalMetrics, TrainingConfig, TrainingRun, apply_preset, check_config, plan_batches, run_guard
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +102,16 @@ def test_a_signal_is_honoured_at_the_step_boundary_with_exit_130(accelerator, tm
     assert exited.value.code == 130 and signal.getsignal(signal.SIGTERM) is before
 
 
-def test_evaluate_counts_every_sample_once_and_matches_a_plain_computation(accelerator):
+def evaluate(model, loader, accelerator, top_k=1):
+    """The recipes' evaluation loop."""
+    metrics = EvalMetrics(top_k)
+    with torch.no_grad():
+        for inputs, targets in loader:
+            metrics.update(*accelerator.gather_for_metrics((model(inputs), targets)))
+    return metrics.compute()
+
+
+def test_evaluation_counts_every_sample_once_and_matches_a_plain_computation(accelerator):
     torch.manual_seed(3)
     model = torch.nn.Linear(5, 4)
     x, y = torch.randn(101, 5), torch.randint(0, 4, (101,))

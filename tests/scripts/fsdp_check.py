@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import toolkit
 from toolkit.data.memory import normalize
 from toolkit.models.nets import tiny
-from toolkit.train.evaluation import evaluate
+from toolkit.train.evaluation import EvalMetrics
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
@@ -110,7 +110,11 @@ labels = torch.randint(0, 10, (101,), generator=g)
 # A prepared loader pads the last batches so every rank runs as many (FSDP's collectives pair up);
 # gather_for_metrics drops the padding again.
 test_loader = accelerator.prepare(DataLoader(TensorDataset(normalize(images), labels), batch_size=25))
-metrics = evaluate(image_net, test_loader, accelerator)
+evaluation = EvalMetrics()
+with torch.no_grad():
+    for batch, targets in test_loader:
+        evaluation.update(*accelerator.gather_for_metrics((image_net(batch), targets)))
+metrics = evaluation.compute()
 with torch.no_grad():
     logits = ref_image_net(normalize(images))
 out["eval"] = metrics

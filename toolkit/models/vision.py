@@ -1,8 +1,9 @@
 """Any torchvision classification model by name, or the toolkit's own nets, at any image size, optionally
 started from a local state dict (safetensors or a torchvision .pth) with a new head for another class count.
 
-    >>> model = build_image_model("resnet50", num_classes=37, image_size=160)
-    >>> start_from_weights(model, "resnet50-0676ba61.pth", print)   # new classifier head: fc (1000 -> 37 classes)
+    model = build_image_model("resnet50", num_classes=37, image_size=160)
+    start_from_weights(model, "resnet50-0676ba61.pth", print)   # torchvision's ImageNet file, downloaded by you
+    # [toolkit] --weights resnet50-0676ba61.pth: new classifier head fc (1000 -> 37 classes), the rest loaded
 
 No hub downloads: torchvision models are built with weights=None; --weights names a file on disk.
 """
@@ -75,7 +76,15 @@ def _probe(model, name: str, image_size: int, num_classes: int):
 
 def start_from_weights(model: torch.nn.Module, path: str, say) -> None:
     """Load a state dict from `path` into `model`; tensors whose shape differs from the model's (a classifier
-    head for another class count) are left as initialised, which `say` reports in one line."""
+    head for another class count) are left as initialised, which `say` reports in one line.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     torch.save(build_image_model("toolkit:tiny", 10, image_size=32).state_dict(), f"{folder}/tiny.pth")
+    ...     start_from_weights(build_image_model("toolkit:tiny", 37, 32), f"{folder}/tiny.pth", print)
+    ...     # doctest: +ELLIPSIS
+    [toolkit] --weights .../tiny.pth: new classifier head 5 (10 -> 37 classes), the rest loaded
+    """
     from toolkit.engines.weights import read_weights, strip_wrapper_prefixes, load_model
 
     expected = model.state_dict()

@@ -1,6 +1,11 @@
-"""Evaluation that counts every sample once on any world size: the loader is prepared
-(`accelerator.prepare(DataLoader(...))`), each rank runs its share, and `gather_for_metrics` drops the samples
-the sampler repeated to even out the last batch (Accelerate's own rule).
+"""Evaluation metrics that count every sample once on any world size. The recipe's loop gathers each batch's
+outputs with `accelerator.gather_for_metrics` over a prepared loader (which drops the samples the sampler
+repeated to even out the last batch, Accelerate's rule) and hands them to `EvalMetrics`:
+
+    metrics = EvalMetrics()
+    for inputs, targets in test_loader:
+        metrics.update(*accelerator.gather_for_metrics((model(inputs), targets)))
+    metrics.compute()   # {"accuracy", "loss", "count"}
 """
 
 from __future__ import annotations
@@ -9,23 +14,34 @@ import torch
 import torch.nn.functional as F
 
 
-@torch.no_grad()
-def evaluate(model, loader, accelerator, top_k: int = 1) -> dict:
-    """{"accuracy", "loss", "count"} over a prepared loader of (inputs, targets): a classifier's, or a next-token
-    model's (logits over the last dimension, each sequence's tokens averaged first; sequences are of equal
-    length, so that is the mean over tokens). Accuracy is top-`top_k`; count is the samples (or sequences)."""
-    was_training = model.training
-    model.eval()
-    hits, losses = [], []
-    for inputs, targets in loader:
-        logits = model(inputs).float()
-        samples = len(targets)  # gather_for_metrics drops padding in samples: per-sample values only
+class EvalMetrics:
+    """Top-`top_k` accuracy and mean cross-entropy of a classifier's logits (batch x classes), or a next-token
+    model's (batch x time x vocabulary: each sequence's tokens averaged first; sequences are of equal length, so
+    that is the mean over tokens); count is the samples (or sequences). Sums in float64: the same figure
+    whatever the split into ranks and batches.
+
+    >>> metrics = EvalMetrics()
+    >>> metrics.update(torch.tensor([[2.0, 0.0], [0.0, 2.0], [2.0, 0.0]]), torch.tensor([0, 1, 1]))
+    >>> result = metrics.compute()
+    >>> round(result["accuracy"], 4), round(result["loss"], 4), result["count"]
+    (0.6667, 0.7936, 3)
+    """
+
+    def __init__(self, top_k: int = 1):
+        self.top_k = top_k
+        self.hits = self.loss = 0.0
+        self.count = 0
+
+    @torch.no_grad()
+    def update(self, logits: torch.Tensor, targets: torch.Tensor):
+        samples, logits = len(targets), logits.float()
         logits, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
-        loss = F.cross_entropy(logits, targets, reduction="none").view(samples, -1).mean(1)
-        hit = (logits.topk(top_k, dim=-1).indices == targets[:, None]).any(-1).view(samples, -1).double().mean(1)
-        hit, loss = accelerator.gather_for_metrics((hit, loss))
-        hits.append(hit)
-        losses.append(loss.double())  # float64 sums: the same figure whatever the split into ranks
-    model.train(was_training)
-    hits, losses = torch.cat(hits), torch.cat(losses)
-    return {"accuracy": hits.mean().item(), "loss": losses.mean().item(), "count": len(hits)}
+        loss = F.cross_entropy(logits, targets, reduction="none").view(samples, -1).double().mean(1)
+        hit = (logits.topk(self.top_k, dim=-1).indices == targets[:, None]).any(-1).view(samples, -1).double().mean(1)
+        self.hits += hit.sum().item()
+        self.loss += loss.sum().item()
+        self.count += samples
+
+    def compute(self) -> dict:
+        count = max(1, self.count)
+        return {"accuracy": self.hits / count, "loss": self.loss / count, "count": self.count}

@@ -100,9 +100,13 @@ def check_fresh_output_dir(output_dir: str | Path, resume: str | None, restarts:
 class RunRecorder:
     """Metrics for one run in `output_dir`; every method is a no-op off the main process.
 
-    >>> records = RunRecorder("runs/demo", active=True)
+    >>> import tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> records = RunRecorder(folder, active=True)
     >>> records.log("step", step=1, loss=2.3)
     >>> records.close()
+    >>> open(f"{folder}/steps.csv").read().splitlines()[0]
+    'kind,time,step,loss'
     """
 
     def __init__(self, output_dir: str | Path, active: bool):
