@@ -1,9 +1,9 @@
 """Data: datasets by name (`load_data`), in memory (`memory`: CIFAR files, synthetic, the memory loader and
 the DataLoader path with the same augmentation), Hugging Face/parquet (`hf`), image folders streamed from
-disk (`folder`), and the restricted unpickler for dataset files (`safe_pickle`).
+disk (`folder`), character-level text (`text`), and the restricted unpickler for dataset files (`safe_pickle`).
 
-    >>> from toolkit.data import load_data
-    >>> data = load_data("cifar10", "data", seed=0)
+    data = load_data("cifar10", "data", seed=0)     # downloads to data/ on first use
+    data.train_x.shape                              # torch.Size([50000, 3, 32, 32]), uint8
 """
 
 from __future__ import annotations
@@ -18,8 +18,13 @@ DATASET_CHOICES = "cifar10, cifar100, synthetic or hf:NAME_OR_PATH"
 
 
 def load_data(dataset: str, data_dir: str | Path, seed: int) -> ImageData:
-    """Load `dataset` ("cifar10", "cifar100", "synthetic" or "hf:NAME_OR_PATH"), e.g.
-    `load_data("cifar10", "data", seed=0)`; `seed` only matters for "synthetic"."""
+    """Load `dataset` ("cifar10", "cifar100", "synthetic" or "hf:NAME_OR_PATH"); `seed` only matters for
+    "synthetic".
+
+    >>> load_data("mnist", "data", seed=0)
+    Traceback (most recent call last):
+    toolkit.errors.UserError: Unknown dataset 'mnist'; choose cifar10, cifar100, synthetic or hf:NAME_OR_PATH with --dataset.
+    """
     if dataset in CIFAR_SPECS:
         return load_cifar(dataset, data_dir)
     if dataset == "synthetic":

@@ -2,15 +2,26 @@
 `val/<class>/*` or `test/<class>/*`) or a local Hugging Face dataset (`hf:PATH`, save_to_disk or parquet), of any
 size and mode (L, RGBA, P, CMYK are read as RGB), decoded by DataLoader workers.
 
-    >>> data = open_images("data/pets", seed=0)                 # or "hf:data/pets_parquet"
-    >>> train = StreamingLoader(data.train, 64, rank=0, world_size=2, seed=0, image_size=224, train=True)
-    >>> train.set_epoch(3, start_batch=10)                      # DistributedSampler.set_epoch, then skip 10
-    >>> images, labels = next(iter(train))                      # float32 64 x 3 x 224 x 224, int64 64
+    >>> import tempfile
+    >>> from PIL import Image
+    >>> root = tempfile.TemporaryDirectory()                    # or "data/pets", "hf:data/pets_parquet"
+    >>> for path in [f"{root.name}/{split}/{label}/{i}.png"
+    ...              for split in ("train", "val") for label in ("cat", "dog") for i in range(4)]:
+    ...     os.makedirs(os.path.dirname(path), exist_ok=True)
+    ...     Image.new("L", (40, 30)).save(path)
+    >>> data = open_images(root.name)
+    >>> data.classes, len(data.train), len(data.val)
+    (['cat', 'dog'], 8, 8)
+    >>> train = StreamingLoader(data.train, 2, rank=0, world_size=2, seed=0, image_size=24, train=True, workers=0)
+    >>> train.set_epoch(3, start_batch=1)                       # DistributedSampler.set_epoch, then skip 1 batch
+    >>> [(tuple(images.shape), labels.dtype) for images, labels in train]
+    [((2, 3, 24, 24), torch.int64)]
+    >>> root.cleanup()
 
 Training: RandomResizedCrop + horizontal flip (torchvision's reference recipe); evaluation: resize to 256/224 of
 the size, centre crop. A sample's augmentation is seeded by (seed, epoch, index), so it does not depend on the
 worker that decodes it, and a resumed epoch continues exactly. Evaluation shards are disjoint (rank r takes
-r::W, no padding), so `toolkit.train.common.evaluate` counts every image once under any world size.
+r::W, no padding), so `toolkit.train.evaluation.evaluate` counts every image once under any world size.
 
 An unreadable image file stops the run with one sentence naming it (exit 2): training on a silently shrunken
 dataset is the kind of wrong nobody notices.

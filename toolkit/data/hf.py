@@ -1,7 +1,8 @@
 """Hugging Face `datasets` as `ImageData`: a hub name, a `save_to_disk` folder, or parquet files, with the
-image and label columns detected.
+image and label columns detected and square images of 32x32 or more brought to 32x32.
 
-    >>> data = load_hf("data/my_parquet_folder", data_dir="data")   # train*.parquet + test*.parquet
+    data = load_hf("data/my_parquet_folder", data_dir="data")   # train*.parquet + test*.parquet
+    data = load_hf("uoft-cs/cifar10", data_dir="data")          # from the Hub, cached in data/hf_cache
 """
 
 from __future__ import annotations

@@ -1,12 +1,15 @@
 """Image datasets held in memory as uint8 N x 3 x 32 x 32 tensors, and two loaders with the same
-augmentation (AUGMENTATIONS: random 32-crop of the 4-pixel zero-padded image, then horizontal flip p=0.5
-for "crop-flip"; flips are wrong for digits and text, so "crop" and "none" exist) and normalisation: `MemoryLoader` (whole dataset on the device, world-size-independent sharding) and
-`build_torch_loader` (a plain DataLoader with torchvision transforms).
+augmentation and normalisation: `MemoryLoader` (whole dataset on the device, world-size-independent
+sharding) and `build_torch_loader` (a plain DataLoader with torchvision transforms). AUGMENTATIONS:
+"crop-flip" is a random 32-crop of the 4-pixel zero-padded image, then a horizontal flip with p=0.5;
+flips are wrong for digits and text, so "crop" and "none" exist.
 
-    >>> data = make_synthetic(seed=0)
+    >>> data = make_synthetic(num_train=256, num_test=64, seed=0)
     >>> loader = MemoryLoader(data.train_x, data.train_y, 64, rank=0, world_size=2, seed=0)
     >>> loader.set_epoch(0)
-    >>> x, y = next(iter(loader))       # x: float32 64 x 3 x 32 x 32, y: int64 64
+    >>> x, y = next(iter(loader))
+    >>> x.dtype, tuple(x.shape), y.dtype, tuple(y.shape)
+    (torch.float32, (64, 3, 32, 32), torch.int64, (64,))
 """
 
 from __future__ import annotations
@@ -169,8 +172,8 @@ def _norm_constants(device: torch.device):
 
 
 def augment_batch(x: torch.Tensor, generator: torch.Generator, augment: str = "crop-flip") -> torch.Tensor:
-    """Random 32-crop with 4-pixel zero padding + horizontal flip (p=0.5) of a uint8 batch, on
-    x's device, e.g. `augment_batch(x, torch.Generator().manual_seed(0))`."""
+    """`augment` (one of AUGMENTATIONS) applied to a uint8 batch on x's device, e.g.
+    `augment_batch(x, torch.Generator().manual_seed(0))`."""
     dy, dx, flip = _draw_augment(len(x), generator, x.device, augment)
     return _crop_flip(x, dy, dx, flip)
 
@@ -231,8 +234,8 @@ class MemoryLoader:
     (seed, e), so a sample's augmentation depends on its position in the epoch only. So the union of
     W ranks' step-k batches at batch B is exactly the step-k batch of one rank at batch W*B,
     augmentation included, and so are G consecutive micro-batches of B*W/G (gradient
-    accumulation); the ranks' shards are disjoint.
-    At most W-1 samples per epoch are dropped so all ranks see the same number of samples.
+    accumulation); the ranks' shards are disjoint. drop_last drops the last partial global step;
+    without it at most W-1 samples per epoch are dropped, so all ranks see the same number of samples.
 
     Resume: call `set_epoch(e, start_batch=k)` with k = global samples already consumed this
     epoch // (W*B); this maps across world sizes because k indexes global steps.
@@ -240,10 +243,18 @@ class MemoryLoader:
     Eval (train=False): no shuffle, augmentation or drop; rank r takes samples r::W, so shards
     differ in size by at most one (`num_samples` is this rank's count).
 
-        >>> loader = MemoryLoader(x, y, 64, rank=1, world_size=2, seed=0, device="cuda")
-        >>> for epoch in range(3):
-        ...     loader.set_epoch(epoch)
-        ...     for images, labels in loader: ...
+    >>> data = make_synthetic(num_train=256, num_test=99, seed=0)
+    >>> whole = next(iter(MemoryLoader(data.train_x, data.train_y, 64, seed=0)))[0]
+    >>> halves = [next(iter(MemoryLoader(data.train_x, data.train_y, 32, rank=r, world_size=2, seed=0)))[0]
+    ...           for r in (0, 1)]
+    >>> torch.equal(whole[0::2], halves[0]) and torch.equal(whole[1::2], halves[1])  # augmentation included
+    True
+    >>> loader = MemoryLoader(data.train_x, data.train_y, 64, rank=1, world_size=2, seed=0)
+    >>> loader.set_epoch(3, start_batch=1)  # resume epoch 3 after 1 of its 2 global steps
+    >>> [len(y) for _, y in loader], [len(y) for _, y in loader]  # the next pass starts at step 0
+    ([64], [64, 64])
+    >>> MemoryLoader(data.test_x, data.test_y, 64, rank=1, world_size=2, train=False).num_samples  # 1, 3, ..., 97
+    49
     """
 
     resumes_mid_epoch = True  # toolkit.train.data_position.epoch_batches calls set_epoch(epoch, start_batch)
@@ -372,8 +383,8 @@ def build_torch_loader(images: torch.Tensor, labels: torch.Tensor, batch_size: i
 
 
 def leave_stops_to_the_trainer(_worker_id: int):
-    """DataLoader workers ignore Ctrl-C and SIGTERM. Both reach the whole process group, loader workers too;
-    a worker killed by one made the training process raise "DataLoader worker ... is killed by signal" (a
+    """DataLoader workers ignore Ctrl-C and SIGTERM. Both reach the whole process group, loader workers too; a
+    worker killed by one would make the training process raise "DataLoader worker ... is killed by signal" (a
     traceback) instead of finishing its step and saving a checkpoint. The training process stops them."""
     import signal
 

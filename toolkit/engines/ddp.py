@@ -96,7 +96,7 @@ class RawDDPEngine(TorchEngine):
         wait = datetime.timedelta(seconds=timeout)
         if env.world_size == 1 and env.master_port is None:
             # A 1-process group needs a store but no peer to meet: an in-memory one takes no port (a port chosen
-            # free and then bound can be taken in between, as on the GPU machine's second group in one process).
+            # free and then bound can be taken in between, e.g. by a second group formed in the same process).
             store = dist.HashStore()
         else:
             store = attempt_store(env, env.master_addr, env.master_port, wait)

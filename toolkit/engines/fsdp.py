@@ -47,12 +47,15 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on r
 
 
 def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The blocks sharded one by one before the root: the model's children, with containers among them
-    (a ResNet's `layers` Sequential) opened one level so each residual block is its own unit. A model
-    that is itself a Sequential (resnet9, tiny) has its elements as blocks.
+    """The blocks sharded one by one before the root: the model's children that hold trainable parameters,
+    with containers among them (a ResNet's `stem` and `layers` Sequentials) opened one level so each residual
+    block is its own unit. A model that is itself a Sequential (resnet9, tiny) has its elements as blocks.
 
-    >>> [type(m).__name__ for m in shard_units(build_model("resnet18", 10))][:5]
+    >>> from toolkit.models.nets import build_model
+    >>> [type(m).__name__ for m in shard_units(build_model("resnet18", 10))][:5]  # the stem's ReLU has none
     ['Conv2d', 'BatchNorm2d', 'BasicBlock', 'BasicBlock', 'BasicBlock']
+    >>> [type(m).__name__ for m in shard_units(build_model("tiny", 10))]
+    ['Conv2d', 'Conv2d', 'Linear']
     """
     children = list(model.children())
     if not isinstance(model, _CONTAINERS):

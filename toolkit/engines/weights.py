@@ -46,9 +46,13 @@ def unwrap_model(model):
 
 
 def save_model(model, path):
-    """Write the unwrapped model's weights to `path` as safetensors (tied weights stored once).
+    """Write the unwrapped model's weights (or a state dict) to `path` as safetensors, tied weights stored once.
 
-    >>> save_model(torch.nn.DataParallel(net), "net.safetensors")  # keys have no `module.`
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     save_model(torch.nn.DataParallel(torch.nn.Linear(2, 2)), f"{folder}/net.safetensors")
+    ...     sorted(safetensors.torch.load_file(f"{folder}/net.safetensors"))  # no `module.` prefix
+    ['bias', 'weight']
     """
     if isinstance(model, Mapping):  # a state dict, e.g. the full one an FSDP engine gathered
         safetensors.torch.save_file(one_name_per_storage(model), str(path), metadata={"format": "pt"})
@@ -74,10 +78,16 @@ def one_name_per_storage(state_dict):
 def load_model(model, path, strict=True):
     """Load weights from a safetensors/torch file or a state dict into `model` (wrapped or not).
 
-    Keys carrying `module.`/`_orig_mod.` prefixes (legacy DataParallel saves) are accepted.
-    Returns (missing, unexpected) key lists; with strict=True both are empty or it raises.
+    Keys carrying `module.`/`_orig_mod.` prefixes (the state dict of a DataParallel, DDP or compiled model)
+    are accepted. Returns (missing, unexpected) key lists; with strict=True both are empty or it raises; a
+    tensor of another shape always raises.
 
-    >>> load_model(torch.compile(net), "net.safetensors")
+    >>> net = torch.nn.Linear(2, 2)
+    >>> load_model(torch.nn.DataParallel(torch.nn.Linear(2, 2)), torch.nn.DataParallel(net).state_dict())
+    ([], [])
+    >>> load_model(torch.nn.Linear(2, 3), net.state_dict())
+    Traceback (most recent call last):
+    toolkit.errors.UserError: Weights in the given state dict do not fit this model (a checkpoint from a different model?); wrong shape: weight (2, 2) vs model (3, 2), bias (2,) vs model (3,).
     """
     target = unwrap_model(model)
     expected = target.state_dict()

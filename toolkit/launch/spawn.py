@@ -2,10 +2,13 @@
 or a notebook. Each worker gets the launch environment torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR/PORT) plus TOOLKIT_LAUNCHER=spawn, so `build_accelerator()` inside it forms the group as usual.
 
-    >>> def train(lr):
-    ...     accelerator = toolkit.build_accelerator()     # ddp engine, rank 0 or 1 of 2
-    ...     ...
-    >>> toolkit.spawn(train, 2, 0.1)
+    import toolkit
+
+    def train(lr):
+        accelerator = toolkit.build_accelerator()     # ddp engine, rank 0 or 1 of 2
+        ...
+
+    toolkit.spawn(train, 2, 0.1)                      # returns when both workers have finished
 """
 
 from __future__ import annotations
