@@ -115,8 +115,9 @@ def main(argv=None):
             for images, labels in run.batches(train_loader):  # from the saved position; whole optimizer steps
                 with accelerator.accumulate(model):
                     loss = F.cross_entropy(model(images), labels, label_smoothing=cfg.label_smoothing)
-                    if guard.finite(loss):  # every rank's loss checked together: a NaN stops (or skips) the step
+                    if guard.should_backward(loss):  # False on every rank when --skip-nonfinite skips this step
                         accelerator.backward(loss)
+                    guard.check()  # every rank's loss, read once backward is queued: a NaN stops before the step
                     if accelerator.sync_gradients and cfg.clip_grad_norm:
                         accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
                     optimizer.step()

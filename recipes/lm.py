@@ -88,8 +88,9 @@ def main(argv=None):
                 with accelerator.accumulate(model):
                     logits = model(x)
                     loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-                    if guard.finite(loss):  # every rank's loss checked together: a NaN stops (or skips) the step
+                    if guard.should_backward(loss):  # False on every rank when --skip-nonfinite skips this step
                         accelerator.backward(loss)
+                    guard.check()  # every rank's loss, read once backward is queued: a NaN stops before the step
                     if accelerator.sync_gradients and cfg.clip_grad_norm:
                         accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
                     optimizer.step()

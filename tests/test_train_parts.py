@@ -76,14 +76,16 @@ def test_the_guard_stops_on_a_nonfinite_loss_or_skips_it_and_averages_the_steps_
     plan = plan_batches(64, 1, 32)
     run = TrainingRun(accelerator, config(tmp_path), plan, batches_per_epoch=10)
     with run_guard(run) as guard:
-        assert guard.finite(torch.tensor(1.0)) and guard.finite(torch.tensor(2.0))
+        for loss in (1.0, 2.0):
+            assert guard.should_backward(torch.tensor(loss)) and guard.check() == []
         assert guard.step_done() == {"loss": 1.5}
+        assert guard.should_backward(torch.tensor(float("nan")))  # not read yet: backward is queued first
         with pytest.raises(RunFailure, match=r"the loss is not finite at step 1 on rank\(s\) \[0\]"):
-            guard.finite(torch.tensor(float("nan")))
+            guard.check()
     skipping = TrainingRun(accelerator, config(tmp_path, skip_nonfinite=True, resume="auto"), plan, 10)
     with run_guard(skipping) as guard:
-        assert not guard.finite(torch.tensor(float("inf")))
-        assert guard.finite(torch.tensor(3.0))
+        assert not guard.should_backward(torch.tensor(float("inf"))) and guard.check() == []  # read already
+        assert guard.should_backward(torch.tensor(3.0))
         done = guard.step_done()
         assert done["skipped_ranks"] == [0] and done["loss"] == float("inf")
         assert list(guard.step_done()) == ["loss"] and not guard._losses  # reset: nothing recorded since
@@ -96,7 +98,8 @@ def test_a_signal_is_honoured_at_the_step_boundary_with_exit_130(accelerator, tm
         with run_guard(run) as guard:
             os.kill(os.getpid(), signal.SIGTERM)
             assert not guard.stop_requested  # not yet agreed: the next loss check carries it to every rank
-            guard.finite(torch.tensor(1.0))
+            guard.should_backward(torch.tensor(1.0))
+            guard.check()
             assert guard.stop_requested
             guard.stop_if_asked()
     assert exited.value.code == 130 and signal.getsignal(signal.SIGTERM) is before

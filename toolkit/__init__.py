@@ -22,6 +22,20 @@ def _parity_recorder(engine):
 # Here, not in the engines: every script imports this package, and the check layer sits above the engines.
 observe_engines(_parity_recorder)
 
+# The training parts a recipe's loop calls (toolkit/train), imported on first use: `import toolkit` stays light
+# for the launcher, which never trains.
+_TRAINING_PARTS = ("EvalMetrics", "TrainingConfig", "TrainingRun", "apply_preset", "check_config", "plan_batches",
+                   "run_guard")
+
+
+def __getattr__(name):
+    if name in _TRAINING_PARTS:
+        import toolkit.train
+
+        return getattr(toolkit.train, name)
+    raise AttributeError(f"module 'toolkit' has no attribute {name!r}")
+
+
 __all__ = ["ENGINES", "LaunchEnv", "UserError", "build_accelerator", "parse_config", "read_launch_env", "resolve_engine",
-           "spawn"]
+           "spawn", *_TRAINING_PARTS]
 __version__ = "0.1.0"

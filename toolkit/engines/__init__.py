@@ -53,8 +53,7 @@ def build_accelerator(engine: str = "auto", **kwargs):
     1
     """
     env = read_launch_env()
-    # A non-main rank's sentence starts a line of its own: the main process's progress bar may be on the terminal.
-    install_excepthook(own_line=env.world_size > 1 and env.rank != 0)
+    install_excepthook()
     if env.accelerate_lost_processes:
         raise UserError(
             "accelerate launch was asked for several processes but started only this one (a MULTI_CPU profile "

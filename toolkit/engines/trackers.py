@@ -149,7 +149,7 @@ class TrackioTracker:
         self.run.finish()
 
 
-class _FileTracker:
+class FileTracker:
     """A tracker writing `logging_dir/run_name/<filename>`, opened for appending when it starts."""
 
     requires_logging_directory = True
@@ -170,7 +170,7 @@ class _FileTracker:
         self.file.close()
 
 
-class JSONLTracker(_FileTracker):
+class JSONLTracker(FileTracker):
     """One JSON object per line in `logging_dir/run_name/log.jsonl`: `{"config": ...}` when a config is given,
     then `{"step": step, **values}` per log call (tensors as numbers). Each line is flushed as it is written,
     so a killed run keeps every line it logged; a run that starts again appends to the same file.
@@ -196,7 +196,7 @@ class JSONLTracker(_FileTracker):
         self.file.flush()
 
 
-class CSVTracker(_FileTracker):
+class CSVTracker(FileTracker):
     """A table in `logging_dir/run_name/log.csv`: a `step` column, then one column per logged key in the order
     keys first appear (a dict of numbers gives `key/inner` columns, other non-numbers their JSON text). A log
     call that brings a new key rewrites the file once with the wider header, earlier rows empty there; every
@@ -250,4 +250,4 @@ class CSVTracker(_FileTracker):
         super().start()
 
 
-_CLASSES = {"tensorboard": TensorBoardTracker, "trackio": TrackioTracker, "jsonl": JSONLTracker, "csv": CSVTracker}
+TRACKER_CLASSES = {"tensorboard": TensorBoardTracker, "trackio": TrackioTracker, "jsonl": JSONLTracker, "csv": CSVTracker}

@@ -17,7 +17,7 @@ import enum
 import importlib.util
 
 from toolkit.errors import UserError
-from toolkit.engines.trackers import _CLASSES, NoTracker, _FileTracker
+from toolkit.engines.trackers import TRACKER_CLASSES, NoTracker, FileTracker
 
 TRACKERS = ("tensorboard", "trackio", "jsonl", "csv")
 _PACKAGES = {"tensorboard": "tensorboard", "trackio": "trackio"}  # tracker -> the package it needs
@@ -87,7 +87,7 @@ ProjectConfiguration with a logging_dir) to the Accelerator.
     """
     items = resolve_log_with(log_with)
     for name in (i for i in items if isinstance(i, str)):
-        _refuse_unbuildable(name, _CLASSES[name].requires_logging_directory, logging_dir)
+        _refuse_unbuildable(name, TRACKER_CLASSES[name].requires_logging_directory, logging_dir)
     return items
 
 
@@ -121,7 +121,7 @@ def build_trackers(log_with, project_name: str, logging_dir, config: dict | None
         if not isinstance(item, str):
             trackers.append(item)
             continue
-        cls, kwargs = _CLASSES[item], init_kwargs.get(item, {})
+        cls, kwargs = TRACKER_CLASSES[item], init_kwargs.get(item, {})
         trackers.append(cls(project_name, logging_dir, **kwargs) if cls.requires_logging_directory
                         else cls(project_name, **kwargs))
     for tracker in trackers:
@@ -165,7 +165,7 @@ def for_accelerate(log_with, logging_dir=None):
     """
     from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker
 
-    classes = {**LOGGER_TYPE_TO_CLASS, **_CLASSES}
+    classes = {**LOGGER_TYPE_TO_CLASS, **TRACKER_CLASSES}
     items = _names(log_with, TRACKERS + tuple(n for n in LOGGER_TYPE_TO_CLASS if n not in TRACKERS))
     strangers = [i.name for i in items if not isinstance(i, (str, GeneralTracker))]
     if strangers:
@@ -173,7 +173,7 @@ def for_accelerate(log_with, logging_dir=None):
                            f"to run under a real Accelerator.")
     for name in (i for i in items if isinstance(i, str)):
         _refuse_unbuildable(name, classes[name].requires_logging_directory, logging_dir)
-        if issubclass(classes[name], _FileTracker):
+        if issubclass(classes[name], FileTracker):
             _register_with_accelerate(classes[name])
     return items or None  # an empty list would make Accelerate warn that no tracker is installed
 

@@ -2,9 +2,10 @@
 
 - Ctrl-C or SIGTERM asks the loop to stop at the next optimizer step, where the state is consistent: the
   recipe saves a checkpoint and `guard.stop_if_asked()` exits 130 (a second Ctrl-C stops at once);
-- `guard.finite(loss)` gathers every rank's loss (one small all-gather per micro-step, with the stop flag),
-  so all ranks agree: a NaN/inf loss stops the run in one sentence before its optimizer step, or skips that
-  step on every rank under --skip-nonfinite;
+- `guard.should_backward(loss)` gathers every rank's loss and stop flag (one small all-gather per micro-step,
+  left on the device) and `guard.check()` reads it once backward is queued (the micro-step's one host sync),
+  so all ranks agree: a NaN/inf loss stops the run in one sentence before its optimizer step; under
+  --skip-nonfinite the loss must be read before backward, and a non-finite one skips that step on every rank;
 - an error a collective raises because another rank died becomes one sentence (exit 1).
 """
 
@@ -44,28 +45,39 @@ class StopRequest:
 class RunGuard:
     def __init__(self, run, stop: StopRequest):
         self.run, self.accelerator, self._stop = run, run.accelerator, stop
-        self.stop_requested = False  # any rank asked, as of the last finite() call: the same on every rank
+        self.stop_requested = False  # any rank asked, as of the last check(): the same on every rank
         self.skipped_ranks: list[int] = []  # ranks whose loss was not finite in this optimizer step
         self._losses: list[torch.Tensor] = []  # every rank's loss of each micro-step of this optimizer step
+        self._pending = None  # the last gathered (loss, stop) rows, not yet read
 
-    def finite(self, loss) -> bool:
-        """True when every rank's `loss` is finite (then call backward); False when some rank's is not and
-        --skip-nonfinite skips the step on every rank; otherwise a RunFailure naming the ranks."""
-        step = self.run.step + 1
-        if step == self.run.env.debug_nan_step and self.accelerator.is_main_process:  # tests inject a NaN here
+    def should_backward(self, loss) -> bool:
+        """Gather every rank's `loss` (and stop flag) on the device; False only under --skip-nonfinite when some
+        rank's loss is not finite (every rank then skips the step's backward)."""
+        if self.run.step + 1 == self.run.env.debug_nan_step and self.accelerator.is_main_process:  # tests' NaN
             loss = loss * float("nan")
         mine = torch.stack([loss.detach().float().reshape(()),
                             torch.tensor(float(self._stop.requested), device=loss.device)]).unsqueeze(0)
-        rows = self.accelerator.gather(mine).tolist()  # world x (loss, asked to stop): the step's one host sync
+        self._pending = self.accelerator.gather(mine)  # world x (loss, asked to stop)
+        if not self.run.cfg.skip_nonfinite:
+            return True  # read by check() once backward is queued: the host does not wait for the forward
+        return not self.check()
+
+    def check(self) -> list[int]:
+        """Read the gathered losses (the host sync), the same on every rank; a non-finite one is a RunFailure
+        naming the ranks unless --skip-nonfinite. Returns the ranks whose loss is not finite."""
+        if self._pending is None:
+            return []
+        rows, self._pending = self._pending.tolist(), None
         losses = [row[0] for row in rows]
         bad = [rank for rank, value in enumerate(losses) if not math.isfinite(value)]
         self.stop_requested = self.stop_requested or any(row[1] for row in rows)
         if bad and not self.run.cfg.skip_nonfinite:
+            step = self.run.step + 1
             raise RunFailure(f"the loss is not finite at step {step} on rank(s) {bad}; stopped with the checkpoints "
                              f"of step {step - 1} and before intact (--skip-nonfinite skips such steps).")
         self.skipped_ranks = sorted(set(self.skipped_ranks) | set(bad))
         self._losses.append(torch.tensor(losses))
-        return not bad
+        return bad
 
     def step_done(self) -> dict:
         """{"loss": the mean over every rank and micro-step of the optimizer step just done (the global batch's

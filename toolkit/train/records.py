@@ -90,7 +90,8 @@ def check_fresh_output_dir(output_dir: str | Path, resume: str | None, restarts:
     if resume is not None or restarts or parity:
         return
     path = Path(output_dir)
-    if path.is_dir() and any(path.iterdir()):
+    # hf_cache/: the dataset cache recipes/images.py keeps there (written before this check runs), not a run's.
+    if path.is_dir() and any(p.name != "hf_cache" for p in path.iterdir()):
         raise UserError(f"--output-dir {path} already holds files of another run; continue that run with "
                         "--resume auto, or pass a fresh folder.")
     if path.exists() and not path.is_dir():

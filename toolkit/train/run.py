@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from toolkit.errors import UserError
+from toolkit.errors import UserError, install_excepthook
 from toolkit.train.checkpoint import (checkpoint_folder, finish_checkpoint, latest_checkpoint, load_checkpoint,
                                       read_state)
 from toolkit.train.data_position import epoch_batches, resume_position
@@ -77,6 +77,8 @@ class TrainingRun:
         """This epoch's micro-batches from where the run stands (a mid-epoch resume jumps there), stopping at
         the epoch's last whole optimizer step or the run's last step."""
         if self._progress is None:
+            if self.accelerator.num_processes > 1 and not self.accelerator.is_main_process:
+                install_excepthook(own_line=True)  # the main process's progress bar may now be on the terminal
             self._progress = tqdm(total=self.total_steps, initial=self.step, dynamic_ncols=True,
                                   disable=not self.accelerator.is_main_process)
         self._tick, epoch = time.perf_counter(), self.epoch
