@@ -255,6 +255,16 @@ def test_damaged_newest_fails_verify_and_latest_falls_back(tmp_path, capsys, dam
     assert load_checkpoint(tmp_path, model=make_model())["step"] == 1
 
 
+def test_a_pointer_left_behind_by_a_kill_after_publishing_does_not_hide_the_newer_checkpoint(tmp_path):
+    """Killed between publishing step 2 and moving `latest` (a peer's collective in between under save_state):
+    the resume takes step 2, which is complete, not step 1."""
+    model = make_model()
+    save_checkpoint(tmp_path, 1, model=model)
+    save_checkpoint(tmp_path, 2, model=model)
+    (tmp_path / "latest").write_text("step-00000001\n")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-00000002"
+
+
 def test_stale_or_garbage_pointer_falls_back(tmp_path):
     model = make_model()
     save_checkpoint(tmp_path, 1, model=model)

@@ -170,12 +170,16 @@ def list_checkpoints(root) -> list[Path]:
 
 
 def latest_checkpoint(root) -> Path | None:
-    """The checkpoint `root/latest` names if it verifies, else the newest one that does, else None; each
-    damaged checkpoint skipped is reported in one line on stderr."""
+    """The newest checkpoint under `root` that verifies, else None; each damaged one skipped is reported in one
+    line on stderr, the folder `root/latest` names among them. The newest, not the pointer's: a folder is complete once
+    published (its manifest written last, then renamed into place), and a run killed between publishing a
+    folder and moving the pointer must resume from that folder, not the one before."""
     root = Path(root)
+    candidates = set(list_checkpoints(root))
     pointed = _read_pointer(root)
-    newest_first = [p for p in reversed(list_checkpoints(root)) if p != pointed]
-    for path in ([pointed] if pointed else []) + newest_first:
+    if pointed is not None and pointed.is_dir():  # named but without its manifest: verified, so it is reported
+        candidates.add(pointed)
+    for path in sorted(candidates, key=lambda p: int(STEP_FOLDER.fullmatch(p.name)[1]), reverse=True):
         try:
             verify_folder(path)
             return path
