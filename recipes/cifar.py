@@ -30,8 +30,9 @@ import toolkit
 from toolkit.data import DATASET_CHOICES, load_data
 from toolkit.data.memory import AUGMENTATIONS, MemoryLoader, build_torch_loader, normalize
 from toolkit.models.nets import MODELS, build_model
-from toolkit.train import (EvalMetrics, TrainingConfig, TrainingRun, apply_preset, average_batchnorm_stats,
-                           check_config, decay_groups, plan_batches, run_guard, sync_batchnorm, warmup_linear_decay)
+from toolkit.train import (EvalMetrics, TrainingConfig, TrainingRun, adapt_model, apply_preset,
+                           average_batchnorm_stats, check_config, decay_groups, plan_batches, run_guard,
+                           warmup_linear_decay)
 
 
 @dataclass
@@ -84,12 +85,7 @@ def main(argv=None):
         data = load_data(cfg.dataset, cfg.data_dir, cfg.seed)
     train_loader, test_loader = build_loaders(cfg, data, accelerator, plan.micro_batch)
 
-    model = build_model(cfg.model, data.num_classes)
-    model, average_bn = sync_batchnorm(model, accelerator) if cfg.sync_bn else (model, False)
-    if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    if cfg.compile:
-        model = torch.compile(model)
+    model, average_bn = adapt_model(build_model(cfg.model, data.num_classes), cfg, accelerator)
     optimizer = torch.optim.SGD(decay_groups(model, cfg.weight_decay), lr=cfg.lr, momentum=0.9, nesterov=True)
     model, optimizer = accelerator.prepare(model, optimizer)
     run = TrainingRun(accelerator, cfg, plan, batches_per_epoch=len(train_loader))

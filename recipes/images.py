@@ -27,8 +27,9 @@ import toolkit
 from toolkit.data.folder import StreamingLoader, default_workers, image_transform, open_images
 from toolkit.data.memory import AUGMENTATIONS
 from toolkit.models.vision import TOOLKIT_PREFIX, build_image_model, is_torchvision_model, start_from_weights
-from toolkit.train import (EvalMetrics, TrainingConfig, TrainingRun, apply_preset, average_batchnorm_stats,
-                           check_config, decay_groups, plan_batches, run_guard, sync_batchnorm, warmup_linear_decay)
+from toolkit.train import (EvalMetrics, TrainingConfig, TrainingRun, adapt_model, apply_preset,
+                           average_batchnorm_stats, check_config, decay_groups, plan_batches, run_guard,
+                           warmup_linear_decay)
 
 
 @dataclass
@@ -91,11 +92,7 @@ def main(argv=None):
     model = build_image_model(cfg.model, len(data.classes), cfg.image_size)
     if cfg.weights:
         start_from_weights(model, cfg.weights, accelerator.print)
-    model, average_bn = sync_batchnorm(model, accelerator) if cfg.sync_bn else (model, False)
-    if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    if cfg.compile:
-        model = torch.compile(model)
+    model, average_bn = adapt_model(model, cfg, accelerator)
     optimizer = torch.optim.SGD(decay_groups(model, cfg.weight_decay), lr=cfg.lr, momentum=0.9, nesterov=True)
     model, optimizer = accelerator.prepare(model, optimizer)
     run = TrainingRun(accelerator, cfg, plan, batches_per_epoch=len(train_loader))

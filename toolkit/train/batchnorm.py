@@ -1,4 +1,4 @@
-"""BatchNorm across ranks: `--sync-bn` as SyncBatchNorm where PyTorch runs it (GPU ranks), and on CPU ranks,
+"""The model as the image recipes' flags adapt it (`adapt_model`), and BatchNorm across ranks: `--sync-bn` as SyncBatchNorm where PyTorch runs it (GPU ranks), and on CPU ranks,
 where PyTorch refuses it, the running statistics averaged over ranks before each checkpoint (an evaluation
 follows one), so every rank saves and evaluates one model.
 """
@@ -31,3 +31,11 @@ def average_batchnorm_stats(model, accelerator):
         if layer.running_mean is not None:
             layer.running_mean.copy_(accelerator.reduce(layer.running_mean, "mean"))
             layer.running_var.copy_(accelerator.reduce(layer.running_var, "mean"))
+
+
+def adapt_model(model, cfg, accelerator):
+    """(model, whether BatchNorm statistics are averaged by hand) after --sync-bn, --channels-last, --compile."""
+    model, average_bn = sync_batchnorm(model, accelerator) if cfg.sync_bn else (model, False)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return (torch.compile(model) if cfg.compile else model), average_bn
