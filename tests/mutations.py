@@ -99,8 +99,24 @@ def _log_on_every_rank(base):
     base.TorchEngine.init_trackers = init_trackers
 
 
+def _resume_rewrites_summary(run):
+    run.TrainingRun._finished = lambda self, saved, path: False  # the finished run is evaluated and summarised again
+
+
+def _counters_restart(records):
+    records.RunRecorder.continue_from = lambda self, elapsed_s: None  # a resume's clock starts again at 0
+
+
 PARITY, FLAGS, API = "tests/test_parity.py", "tests/test_flags.py", "tests/test_engine_api.py"
 MUTATIONS = {
+    "resume-rewrites-summary": Mutation(
+        "toolkit.train.run", _resume_rewrites_summary,
+        ("tests/test_recipe.py::test_rerunning_a_finished_run_keeps_its_result",),
+        "records: --resume of a finished run trains nothing yet rewrites summary.json (its throughput and wall time lost)"),
+    "counters-restart": Mutation(
+        "toolkit.train.records", _counters_restart,
+        ("tests/test_train_parts.py::test_a_resume_continues_the_records_clock_and_keeps_every_attempt",),
+        "records: after a resume the steps' time column starts again from 0"),
     "optimizer-step-noop": Mutation(
         "toolkit.engines.prepared", _optimizer_step_noop,
         (f"{PARITY}::test_one_process_matches_the_hand_written_loop",),

@@ -199,7 +199,8 @@ def test_one_process_learns_synthetic_data(reference):
     assert len(steps_csv) == 1 + TOTAL_STEPS and len(epochs_csv) == 1 + 2  # header + rows
     assert bars_started(output(proc), TOTAL_STEPS) == 1
     assert [line for line in proc.stdout.splitlines() if line.startswith("done:")] == [
-        f"done: test accuracy {summary['test_accuracy']}, {summary['images_per_s']} images/s"]
+        f"done: test accuracy {summary['test_accuracy']:.4f}, {summary['images_per_s']} images/s"]
+    assert [(a["from_step"], a["to_step"]) for a in summary["attempts"]] == [(0, TOTAL_STEPS)]
 
 
 def test_one_process_run_matches_the_hand_written_loop(tmp_path):
@@ -324,12 +325,25 @@ def test_resume_mid_epoch_equals_the_uninterrupted_run(tmp_path, reference):
     proc = run([PY, CIFAR, *SYNTHETIC, "--global-batch-size", GLOBAL_BATCH, *EVERY_7, "--output-dir", out,
                 "--resume", "auto"], timeout=240)
     assert f"resumed from {out / 'checkpoints' / 'step-00000049'} (step 49)" in proc.stdout
+    assert "[toolkit] resume:" not in proc.stdout  # the same command: no difference to state
     ref, got = step_rows(ref_out), step_rows(out)
     assert sorted(got) == list(range(50, TOTAL_STEPS + 1))
     assert all(got[s]["loss"] == ref[s]["loss"] and got[s]["lr"] == ref[s]["lr"] for s in got)  # exact on CPU
     expected, weights = final_weights(ref_out, TOTAL_STEPS), final_weights(out, TOTAL_STEPS)
     assert all(torch.equal(expected[k], weights[k]) for k in expected)
-    assert read_json(out / "summary.json")["test_accuracy"] == read_json(ref_out / "summary.json")["test_accuracy"]
+    summary = read_json(out / "summary.json")
+    assert summary["test_accuracy"] == read_json(ref_out / "summary.json")["test_accuracy"]
+    # The record goes on from the checkpoint: the first attempt's figures (as of its step-49 checkpoint) are
+    # kept beside this one's, and the steps' clock and image count continue where the checkpoint left them.
+    first, second = summary["attempts"]
+    assert (first["from_step"], first["to_step"], second["from_step"], second["to_step"]) == (0, 49, 49, TOTAL_STEPS)
+    assert first["images_per_s"] > 0 and second["images_per_s"] > 0
+    assert summary["wall_time_s"] == pytest.approx(first["wall_time_s"] + second["wall_time_s"], abs=2e-3)
+    assert min(first["images_per_s"], second["images_per_s"]) <= summary["images_per_s"] <= max(
+        first["images_per_s"], second["images_per_s"])
+    assert got[50]["time"] > first["wall_time_s"] and got[50]["images"] == 50 * GLOBAL_BATCH
+    rows = (out / "steps.csv").read_text().splitlines()
+    assert rows[0].startswith("kind,time,step,") and float(rows[1].split(",")[1]) > first["wall_time_s"]
 
 
 # Changing the world size changes float rounding (a mean over 128 vs the mean of two means over 64), and
@@ -514,17 +528,41 @@ def test_ctrl_c_just_after_the_optimizer_step_saves_a_checkpoint_that_resumes_ex
 # ----------------------------------------------------------------------------- re-running a finished run
 
 def test_rerunning_a_finished_run_keeps_its_result(tmp_path, reference):
-    """Nothing is trained again: the same steps logged, the same checkpoints byte for byte, the same result."""
+    """Nothing is trained, evaluated or written again: the run's summary (its throughput and wall time
+    included), records and checkpoints stay byte for byte, and the command says the run had finished."""
     out = tmp_path / "finished"
     shutil.copytree(reference[0], out)
     before = read_json(out / "summary.json")
-    checkpoints = {p.relative_to(out): p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()}
+    files = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     proc = run([PY, CIFAR, *SYNTHETIC, "--global-batch-size", GLOBAL_BATCH, *EVERY_7, "--output-dir", out,
                 "--resume", "auto"], timeout=240)
-    after = read_json(out / "summary.json")
-    assert after["steps"] == TOTAL_STEPS and "done: test accuracy None" not in proc.stdout
-    assert (after["test_accuracy"], after["test_count"]) == (before["test_accuracy"], before["test_count"])
+    assert proc.stdout.splitlines() == [
+        f"{out} already finished at step {TOTAL_STEPS} (checkpoint {out / 'checkpoints' / 'step-00000078'}): test "
+        f"accuracy {before['test_accuracy']:.4f}, {before['images_per_s']} images/s; nothing trained or rewritten. "
+        "To train further, raise --epochs and add --allow-config-change."]
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
     assert logged_steps(out) == list(range(1, TOTAL_STEPS + 1))  # no step trained and logged again
-    assert {p.relative_to(out): p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()} == checkpoints
     expected = final_weights(reference[0], TOTAL_STEPS)
     assert all(torch.equal(expected[k], final_weights(out, TOTAL_STEPS)[k]) for k in expected)
+
+
+def test_a_resume_that_would_change_the_training_is_refused_or_said(tmp_path, reference):
+    """Resuming with another precision, schedule length or lr is one sentence naming each change and exit 2;
+    with --allow-config-change the run goes on and says each difference in one line, as it does for a
+    difference that leaves the math alone (--keep)."""
+    start = reference[0] / "checkpoints" / "step-00000049"
+    base = [PY, CIFAR, *SYNTHETIC, "--global-batch-size", GLOBAL_BATCH, *EVERY_7, "--resume", start]
+    changed = ["--mixed-precision", "bf16", "--max-steps", 50, "--lr", 0.1]
+    proc = run(base + changed + ["--output-dir", tmp_path / "refused"], check=False, timeout=240)
+    assert_one_error_line(proc, f"resuming {start} would change the training: --lr 0.1 (the checkpoint's run: 0.05); "
+                          "--max-steps 50 (the checkpoint's run: unset); mixed precision bf16 (the checkpoint's run: no); "
+                          "pass the checkpoint's values, or add --allow-config-change")
+    assert not (tmp_path / "refused" / "checkpoints").exists()
+    proc = run(base + changed + ["--keep", 5, "--allow-config-change", "--output-dir", tmp_path / "allowed"], timeout=240)
+    said = [line for line in proc.stdout.splitlines() if line.startswith("[toolkit] resume:")]
+    assert said == ["[toolkit] resume: --lr 0.1 (the checkpoint's run: 0.05), allowed by --allow-config-change",
+                    "[toolkit] resume: --max-steps 50 (the checkpoint's run: unset), allowed by --allow-config-change",
+                    "[toolkit] resume: --keep 5 (the checkpoint's run: 100)",
+                    "[toolkit] resume: mixed precision bf16 (the checkpoint's run: no), allowed by --allow-config-change"]
+    summary = read_json(tmp_path / "allowed" / "summary.json")
+    assert (summary["steps"], summary["mixed_precision"], summary["config"]["lr"]) == (50, "bf16", 0.1)

@@ -65,6 +65,28 @@ def test_the_position_maps_through_samples_to_another_world_size(accelerator, tm
     assert run.state_json() == saved  # what state.json holds
 
 
+def test_a_resume_continues_the_records_clock_and_keeps_every_attempt(accelerator, tmp_path):
+    """A run resumed from a checkpoint written 100 s into it logs its steps from 100 s on, and its summary
+    keeps the earlier attempt's figures beside its own: the wall time and throughput are the two attempts'."""
+    plan = plan_batches(4, 1, 4)
+    saved = {"step": 10, "epoch": 1, "samples_in_epoch": 0, "world_size": 1, "config": {"model": "tiny"},
+             "attempts": [{"from_step": 0, "to_step": 10, "engine": "single", "world_size": 1, "images_per_s": 40.0,
+                           "warmup_s": 1.0, "wall_time_s": 100.0}]}
+    run = TrainingRun(accelerator, config(tmp_path, epochs=2, resume="auto"), plan, batches_per_epoch=10)
+    run._resumed_from = "step-10"
+    run.load_state_dict(saved)
+    for _ in run.epochs():
+        for _ in run.batches(list(range(10))):
+            run.step_done(loss=1.0, lr=0.1)
+    summary = run.finish({"accuracy": 0.5, "loss": 1.0, "count": 10})
+    times = [float(line.split(",")[1]) for line in (tmp_path / "run" / "steps.csv").read_text().splitlines()[1:]]
+    assert len(times) == 10 and 100.0 <= times[0] <= max(times) < 160.0  # the clock went on from 100 s
+    earlier, this = summary["attempts"]
+    assert earlier["wall_time_s"] == 100.0 and (this["from_step"], this["to_step"]) == (10, 20)
+    assert summary["wall_time_s"] == pytest.approx(100.0 + this["wall_time_s"], abs=1e-3)
+    assert 40.0 <= summary["images_per_s"] <= this["images_per_s"]  # both attempts' images over both's time
+
+
 def test_a_second_run_in_a_used_output_dir_is_refused(accelerator, tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")

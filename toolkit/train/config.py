@@ -41,6 +41,8 @@ class TrainingConfig:
                                    "weights gathered into one safetensors file; sharded: each rank writes its own "
                                    "shards (torch.distributed.checkpoint), resumable at any world size"})
     resume: str | None = field(default=None, metadata={"help": "auto (latest in output-dir) or a checkpoint path"})
+    allow_config_change: bool = field(default=False, metadata={"help": "resume with values that change the training "
+                                      "(schedule, lr, global batch, precision, seed, data); refused without it"})
     seed: int = field(default=0, metadata={"help": "seeds weights, data order and augmentation"})
     eval_every: int = field(default=1, metadata={"help": "epochs between evaluations"})
     engine: str = field(default="auto", metadata={"choices": ["auto", *ENGINES]})

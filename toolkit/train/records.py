@@ -2,7 +2,8 @@
 written by the main process only (nothing duplicated per rank). Experiment trackers (TensorBoard, Trackio)
 are the engine's: `--log-with` and `accelerator.log` (toolkit/engines/tracking.py).
 
-Files are appended to, never truncated: a resumed run keeps what the interrupted one wrote.
+Files are appended to, never truncated: a resumed run keeps what the interrupted one wrote, and its `time`
+column goes on from the checkpoint's (`continue_from`) as the `step` and `images` columns do.
 """
 
 from __future__ import annotations
@@ -113,12 +114,17 @@ class RunRecorder:
     def __init__(self, output_dir: str | Path, active: bool):
         self.active = active
         self.dir = Path(output_dir)
-        self.started = time.time()
+        self.opened = self.started = time.time()
         self._csv: dict[str, tuple] = {}
         if not active:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.dir / "metrics.jsonl", "a")
+
+    def continue_from(self, elapsed_s: float):
+        """Count the `time` column on from `elapsed_s`, the seconds the run had trained when its checkpoint was
+        written: a resume's rows go on from there, not from 0."""
+        self.started = self.opened - elapsed_s
 
     def log(self, kind: str, **values):
         """Append one row of `kind` ("step", "epoch", ...) to metrics.jsonl and KIND.csv."""
@@ -140,8 +146,9 @@ class RunRecorder:
         handle.flush()
 
     def summary(self, **values) -> dict:
-        """Write summary.json (values + versions, hardware, git commit, wall time) and return it."""
-        summary = {**values, "wall_time_s": round(time.time() - self.started, 3), "versions": versions(),
+        """Write summary.json (values + versions, hardware, git commit, wall time unless `values` has one) and
+        return it."""
+        summary = {"wall_time_s": round(time.time() - self.started, 3), **values, "versions": versions(),
                    "hardware": hardware(), "git_commit": git_commit(Path(__file__).parent)}
         if self.active:
             tmp = self.dir / "summary.json.tmp"

@@ -16,6 +16,7 @@ records (steps.csv, epochs.csv, metrics.jsonl, summary.json, the progress bar) a
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -26,7 +27,9 @@ from tqdm import tqdm
 from toolkit.errors import UserError, install_excepthook
 from toolkit.train.checkpoint import (checkpoint_folder, finish_checkpoint, latest_checkpoint, load_checkpoint,
                                       read_state)
+from toolkit.train.config_changes import config_changes
 from toolkit.train.data_position import epoch_batches, resume_position
+from toolkit.train.divergence import DivergenceWatch
 from toolkit.train.records import RunRecorder, Throughput, check_fresh_output_dir
 
 # What a resume reads from state.json: key -> (type, what it must be).
@@ -53,11 +56,22 @@ class TrainingRun:
         self.total_steps = min(cfg.epochs * self.steps_per_epoch, cfg.max_steps or cfg.epochs * self.steps_per_epoch)
         # The resolved config, as it ran (the micro-batch the plan chose): saved with every checkpoint and in
         # summary.json; a recipe may add to it.
-        self.config = {**asdict(cfg), "micro_batch_size": plan.micro_batch}
+        self.config = {**asdict(cfg), "micro_batch_size": plan.micro_batch,
+                       "mixed_precision": accelerator.mixed_precision}
         self.step = self.epoch = self.batch = 0  # batch: micro-batches of `epoch` done, whole optimizer steps
         self.throughput = Throughput()
         self.records = RunRecorder(cfg.output_dir, active=accelerator.is_main_process)
+        # Earlier attempts (a resume's history, as of the checkpoint it resumed from), and where this one began.
+        self.attempts, self.first_step = [], 0
+        # A --resume of a run that had already ended: its summary.json, which stands (nothing is trained or
+        # rewritten); the recipe returns it.
+        self.finished = None
         self._progress = self._tick = self._resumed_from = None
+        # Loud warnings for a run that trains to nothing with exit 0: a schedule too short to start at the full lr
+        # (said by `run.divergence.started(classes)` after the start line) and evaluations that diverge or stay at
+        # chance; `warnings` holds every line said, for the summary.
+        self.divergence = DivergenceWatch(self.total_steps, cfg.lr, plan.global_batch, cfg.warmup, say=self.say)
+        self.warnings = self.divergence.warnings
 
     @property
     def checkpoints(self) -> Path:
@@ -113,10 +127,21 @@ class TrainingRun:
 
     def evaluated(self, metrics: dict) -> dict:
         """Record a test evaluation (`evaluate`'s dict); returns what the trackers take."""
-        self.records.log("epoch", step=self.step, epoch=self.epoch, images=self.images,
+        epoch, label = self.epochs_done()
+        self.records.log("epoch", step=self.step, epoch=epoch, images=self.images,
                          test_accuracy=metrics["accuracy"], test_loss=metrics["loss"], test_count=metrics["count"])
-        self.say(f"epoch {self.epoch}: test accuracy {metrics['accuracy']:.4f}")
+        self.say(f"{label}: test accuracy {metrics['accuracy']:.4f}")
+        names = self.config.get("classes") or self.config.get("vocabulary")  # images.py's, lm.py's outputs
+        self.divergence.check(metrics, final=self.step >= self.total_steps, classes=len(names) if names else None)
         return {"test_accuracy": metrics["accuracy"], "test_loss": metrics["loss"]}
+
+    def epochs_done(self) -> tuple[float, str]:
+        """(epochs done, as the records' `epoch` column counts them; how the run's lines name that point): a run
+        --max-steps stopped inside an epoch is a fraction of the way into the next, not at "epoch 0"."""
+        if self.batch == 0:
+            return self.epoch, f"epoch {self.epoch}"
+        done = self.batch / self.micro_per_epoch
+        return round(self.epoch + done, 3), f"step {self.step} ({done:.0%} into epoch {self.epoch + 1})"
 
     def say(self, line: str):
         """One line from the main process, through tqdm so it is not glued to the progress bar."""
@@ -144,14 +169,26 @@ class TrainingRun:
     def state_dict(self) -> dict:
         return {"step": self.step, "epoch": self.epoch, "samples_in_epoch": self.batch * self.plan.micro_batch *
                 self.plan.processes, "world_size": self.accelerator.num_processes, "engine": self.accelerator.name,
-                "config": self.config}
+                "config": self.config, "attempts": self.attempts + [self.this_attempt()]}
 
     state_json = state_dict  # the toolkit's save_state merges it into state.json, where people and tools read it
 
     def load_state_dict(self, state: dict):
         self.step, self.epoch, steps_done = resume_position(state, self.plan.global_batch, self.accelerator)
         self.batch = steps_done * self.plan.accumulation
+        attempts = state.get("attempts")
+        if isinstance(attempts, list) and all(isinstance(a, dict) and "wall_time_s" in a for a in attempts):
+            self.attempts = attempts  # the records' clock goes on from the checkpoint's, as the step does
+            self.records.continue_from(sum(a["wall_time_s"] for a in attempts))
+        self.first_step = self.step
         self.accelerator.print(f"resumed from {self._resumed_from} (step {self.step})")
+
+    def this_attempt(self) -> dict:
+        """This attempt's figures so far: the steps it trained, its wall time and throughput."""
+        meter = self.throughput
+        return {"from_step": self.first_step, "to_step": self.step, "engine": self.accelerator.name,
+                "world_size": self.accelerator.num_processes, "images_per_s": meter.images_per_s,
+                "warmup_s": round(meter.warmup_s, 3), "wall_time_s": round(time.time() - self.records.opened, 3)}
 
     def resume_folder(self) -> Path | None:
         """The checkpoint to pass to `accelerator.load_state`: --resume PATH, --resume auto (the latest in
@@ -170,11 +207,45 @@ class TrainingRun:
             saved_model = check_run_state(saved, path)["config"]["model"]
             if saved_model != self.cfg.model:  # checked before loading: other weights would not fit
                 raise UserError(f"{path} holds a {saved_model} model, not {self.cfg.model}; pick another --output-dir.")
+            self._check_changes(saved["config"], path)
+            if self._finished(saved, path):
+                return None
         self._resumed_from = path
         if (Path(path) / f"custom_checkpoint_{len(self.accelerator._custom_objects) - 1}.pkl").is_file():
             return Path(path)
         self._load_outside_save_state(Path(path), saved)
         return None
+
+    def _check_changes(self, saved: dict, path: Path):
+        """Say every difference from the checkpoint's config in one line; refuse those that change the math
+        (one sentence naming them all) unless --allow-config-change."""
+        changes = config_changes(saved, self.config)
+        refused = [change for change in changes if change.changes_math and not self.cfg.allow_config_change]
+        if refused:
+            raise UserError(f"resuming {path} would change the training: {'; '.join(map(str, refused))}; pass the "
+                            "checkpoint's values, or add --allow-config-change to train on with these.")
+        for change in changes:
+            allowed = ", allowed by --allow-config-change" if change.changes_math else ""
+            self.accelerator.print(f"[toolkit] resume: {change}{allowed}")
+
+    def _finished(self, saved: dict, path: Path) -> bool:
+        """True when the checkpoint is this run's end and OUTPUT_DIR/summary.json reports that end: the run is
+        done, and the resume only says so (main process)."""
+        summary_file = Path(self.cfg.output_dir) / "summary.json"
+        if saved["step"] < self.total_steps or not summary_file.is_file():
+            return False
+        try:
+            summary = json.loads(summary_file.read_text())
+        except (OSError, ValueError):
+            return False  # an unreadable summary is written again, from the checkpoint
+        if not isinstance(summary, dict) or summary.get("steps") != saved["step"]:
+            return False
+        self.finished = summary
+        rate = f", {summary['images_per_s']} {self.unit}/s" if summary.get("images_per_s") else ""
+        self.accelerator.print(f"{self.cfg.output_dir} already finished at step {saved['step']} (checkpoint {path}): "
+                               f"test accuracy {summary.get('test_accuracy', float('nan')):.4f}{rate}; nothing "
+                               "trained or rewritten. To train further, raise --epochs and add --allow-config-change.")
+        return True
 
     def _load_outside_save_state(self, path: Path, saved: dict):
         accelerator = self.accelerator
@@ -202,20 +273,37 @@ class TrainingRun:
 
     # -- the end -------------------------------------------------------------------------------------------
     def finish(self, metrics: dict, **extra) -> dict:
-        """Write summary.json (the run's figures, `extra`, the config) and print the result; returns it."""
+        """Write summary.json (the run's figures over every attempt, each attempt's own, `extra`, the config) and
+        print the result; returns it."""
         accelerator, plan, meter = self.accelerator, self.plan, self.throughput
+        attempts = self.attempts + [self.this_attempt()]
         summary = self.records.summary(
             test_accuracy=metrics["accuracy"], test_loss=metrics["loss"], test_count=metrics["count"], steps=self.step,
-            images_per_s=meter.images_per_s, warmup_s=round(meter.warmup_s, 3),
+            images_per_s=overall_rate(attempts, plan.global_batch), warmup_s=round(sum(a["warmup_s"] for a in attempts), 3),
             warmup_steps=min(meter.steps, meter.warmup_steps), engine=accelerator.name,
+            wall_time_s=round(sum(a["wall_time_s"] for a in attempts), 3), attempts=attempts,
             world_size=accelerator.num_processes, global_batch_size=plan.global_batch, micro_batch_size=plan.micro_batch,
             gradient_accumulation=plan.accumulation, mixed_precision=accelerator.mixed_precision,
             skipped_steps=getattr(accelerator, "skipped_steps", 0), **extra, config=self.config)
         self.records.close()
-        skipped = summary["skipped_steps"]
-        accelerator.print(f"done: test accuracy {summary['test_accuracy']}, {summary['images_per_s']} {self.unit}/s"
+        skipped, rate = summary["skipped_steps"], summary["images_per_s"]
+        accelerator.print(f"done: test accuracy {summary['test_accuracy']:.4f}"
+                          + (f", {rate} {self.unit}/s" if rate is not None else "")
+                          + (f" over {len(attempts)} attempts" if len(attempts) > 1 else "")
                           + (f", {skipped} optimizer step(s) skipped (fp16 overflow or non-finite loss)" if skipped else ""))
         return summary
+
+
+def overall_rate(attempts: list[dict], global_batch: int) -> float | None:
+    """Samples per second over every attempt that measured one: each attempt's rate weighted by its time.
+
+    >>> overall_rate([{"from_step": 0, "to_step": 10, "images_per_s": 100.0},
+    ...               {"from_step": 10, "to_step": 30, "images_per_s": 400.0}], global_batch=10)
+    200.0
+    """
+    timed = [(a["to_step"] - a["from_step"]) * global_batch for a in attempts if a.get("images_per_s")]
+    seconds = sum(n / a["images_per_s"] for n, a in zip(timed, (a for a in attempts if a.get("images_per_s"))))
+    return round(sum(timed) / seconds, 1) if seconds > 0 else None
 
 
 def agreed_restart_count(accelerator) -> int:
