@@ -191,6 +191,73 @@ def test_checkpoint_from_different_model_names_the_path(tmp_path):
         load_checkpoint(path, model=torch.nn.Sequential(*make_model(), torch.nn.Linear(2, 2)))
 
 
+def test_long_lists_of_keys_or_files_say_how_many_more(tmp_path):
+    """A message that shortens a list says so ("… and N more"): the missing keys of a bigger model, the foreign
+    files of a folder save_state would replace."""
+    import toolkit
+
+    path = save_checkpoint(tmp_path / "c", 3, model=make_model())
+    bigger = torch.nn.Sequential(*make_model(), *(torch.nn.Linear(2, 2) for _ in range(3)))
+    with pytest.raises(UserError, match=r"missing: 3\.weight, 3\.bias, 4\.weight, … and 3 more\."):
+        load_checkpoint(path, model=bigger)
+    folder = tmp_path / "state"
+    folder.mkdir()
+    for name in "abcde":
+        (folder / f"{name}.txt").write_text(name)
+    with pytest.raises(UserError, match=r"not a checkpoint's \(a\.txt, b\.txt, c\.txt, … and 2 more\)"):
+        toolkit.build_accelerator("single").save_state(folder)
+
+
+@pytest.fixture
+def umask():
+    """Set this process's umask for the test; the previous one is restored after it."""
+    before = os.umask(0o022)
+    yield os.umask
+    os.umask(before)
+
+
+def saved_everything(accelerator, out):
+    """save_state, save_model and save (safetensors) of a small trained model, under `accelerator`."""
+    model = torch.nn.Linear(3, 2)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    accelerator.backward(model(torch.randn(4, 3)).square().mean())
+    optimizer.step()
+    accelerator.save_state(out / "state")
+    accelerator.save_model(model, out / "model")
+    accelerator.save_model(model, out / "shards", max_shard_size=20)  # one shard per tensor
+    accelerator.save(accelerator.get_state_dict(model), out / "weights.safetensors", safe_serialization=True)
+
+
+@pytest.mark.parametrize("mask,mode", [(0o022, 0o644), (0o027, 0o640)], ids=["umask-022", "umask-027"])
+@pytest.mark.parametrize("engine,checkpoint_format", [("single", "full"), ("single", "sharded"),
+                                                      ("accelerate", "full")])
+def test_every_file_a_save_writes_has_the_mode_the_umask_gives(engine, checkpoint_format, mask, mode, tmp_path,
+                                                                 umask):
+    """model.safetensors was 0600 beside 0644 files (safetensors writes through a temporary file created
+    0600): teammates on shared storage could read everything of a checkpoint but its weights. Every file of
+    save_state (full, sharded, Accelerate's own), save_model, save and `toolkit checkpoint consolidate` honours
+    the umask like any other file."""
+    import toolkit
+    from accelerate.state import AcceleratorState
+    from toolkit.train.consolidate import consolidate
+
+    umask(mask)
+    accelerator = toolkit.build_accelerator(engine, checkpoint_format=checkpoint_format)
+    try:
+        saved_everything(accelerator, tmp_path)
+    finally:
+        if engine == "accelerate":
+            AcceleratorState._reset_state(True)
+    if checkpoint_format == "sharded":
+        consolidate(tmp_path / "state", tmp_path / "full")
+        consolidate(tmp_path / "state", tmp_path / "consolidated.safetensors")
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert {"model.safetensors", "manifest.json", "state.json"} <= {p.name for p in files}
+    assert any(p.name.startswith("model-00002") for p in files)  # save_model's shards
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in files}
+    assert set(modes.values()) == {oct(mode)}, modes
+
+
 def test_keep_leaves_newest_and_latest_points_at_it(tmp_path):
     model = make_model()
     for step in range(1, 5):

@@ -360,3 +360,39 @@ def test_tiny_has_no_batch_norm_or_dropout():
 def test_unknown_model_names_the_choices():
     with pytest.raises(UserError, match="resnet18, resnet9, tiny"):
         build_model("vit", 10)
+
+
+def image_classes(root, classes, image=True):
+    """ROOT/<class>/0.png for each class (no image file when `image` is False)."""
+    from PIL import Image
+
+    for name in classes:
+        (root / name).mkdir(parents=True)
+        if image:
+            Image.new("L", (4, 4)).save(root / name / "0.png")
+
+
+def test_train_and_val_class_difference_is_named_first_and_long_lists_say_how_many_more(tmp_path):
+    """Every class that one split has and the other lacks, each way; a list past 8 names ends "… and N more",
+    so a shortened list never reads as the whole (it once cut both splits' lists to 8 without a word)."""
+    from toolkit.data.folder import open_images
+
+    image_classes(tmp_path / "train", [f"c{i:02d}" for i in range(20)])
+    image_classes(tmp_path / "val", [f"c{i:02d}" for i in range(5)] + ["zebra"])
+    with pytest.raises(UserError) as refused:
+        open_images(str(tmp_path))
+    train, val = tmp_path / "train", tmp_path / "val"
+    assert str(refused.value) == (
+        f"{train} has 15 classes that {val} lacks (c05, c06, c07, c08, c09, c10, c11, c12, … and 7 more); "
+        f"{val} has 1 class that {train} lacks (zebra); both must hold one folder per class with the same names.")
+
+
+def test_many_empty_class_folders_say_how_many_more(tmp_path):
+    from toolkit.data.folder import open_images
+
+    image_classes(tmp_path / "train", ["full"])
+    image_classes(tmp_path / "train", [f"e{i:02d}" for i in range(11)], image=False)
+    image_classes(tmp_path / "val", ["full"])
+    with pytest.raises(UserError, match=r"class folder\(s\) \['e00', 'e01', 'e02', 'e03', 'e04', 'e05', 'e06', 'e07', "
+                                        r"… and 3 more\] in .*train hold no image files"):
+        open_images(str(tmp_path))

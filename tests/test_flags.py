@@ -53,8 +53,52 @@ def test_max_steps_and_eval_every_decide_steps_and_evaluations(flags_run):
     summary = read_json(out / "summary.json")
     assert (summary["steps"], summary["world_size"], summary["test_count"]) == (MAX_STEPS, 2, 1000)
     epochs = rows(out, "epoch")
-    assert [(r["step"], r["epoch"]) for r in epochs] == [(MAX_STEPS, 1)], epochs  # not after epoch 0 (every 2)
+    # not after epoch 0 (every 2); at step 24, 5 of epoch 1's 19 steps done: epoch 1.263 in the records, and the
+    # line names the step and the epoch it is in (not "epoch 1", which has ended, nor "epoch 0")
+    partial = round(1 + (MAX_STEPS - STEPS_PER_EPOCH) / STEPS_PER_EPOCH, 3)
+    assert [(r["step"], r["epoch"]) for r in epochs] == [(MAX_STEPS, partial)], epochs
+    assert f"step {MAX_STEPS} (26% into epoch 2): test accuracy" in proc.stdout
     assert proc.stdout.count("test accuracy") == 2  # the one evaluation and the "done:" line, from rank 0 only
+
+
+def test_the_start_line_says_the_threads_each_of_the_two_ranks_runs(flags_run):
+    """torchrun gives each of several workers OMP_NUM_THREADS=1 (the tests set it too): the toolkit keeps it
+    and the start line says so (the rule for an unset OMP_NUM_THREADS: tests/test_threads.py)."""
+    _, proc, _ = flags_run
+    start = [line for line in proc.stdout.splitlines() if "mixed precision" in line]
+    assert len(start) == 1 and start[0].endswith("; mixed precision no; 1 thread per process (OMP_NUM_THREADS)"), start
+
+
+@pytest.mark.parametrize("argv,sentence", [
+    (["--epoch", "2"], "error: unrecognized arguments: --epoch 2; did you mean --epochs? (see --help)"),
+    (["--global-batch", "64"], "error: unrecognized arguments: --global-batch 64; did you mean --global-batch-size? "
+                               "(see --help)"),
+], ids=["--epoch", "--global-batch"])
+def test_an_abbreviated_flag_is_refused_in_one_sentence_naming_the_flag(argv, sentence, capsys):
+    """argparse would take `--epoch 2` for `--epochs 2` without a word (allow_abbrev); every parser refuses it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cifar_recipe_abbrev", CIFAR)
+    cifar = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cifar)
+    with pytest.raises(SystemExit) as stopped:
+        cifar.main(argv + ["--dataset", "synthetic", "--model", "tiny"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [sentence]
+
+
+@pytest.mark.parametrize("argv,sentence", [
+    (["env", "--js"], "error: unrecognized arguments: --js; did you mean --json? (see `toolkit --help`)"),
+    (["checkpoint", "consolidate", "x", "--ou", "y"],
+     "error: unrecognized arguments: --ou y; did you mean --out? (see `toolkit --help`)"),
+], ids=["env --js", "consolidate --ou"])
+def test_the_toolkit_command_takes_no_abbreviations_either(argv, sentence, capsys):
+    from toolkit import cli
+
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(argv)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [sentence]
 
 
 def test_only_the_main_process_writes(flags_run):

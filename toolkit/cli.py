@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from toolkit.config import StrictParser, with_suggestion
 from toolkit.engines import ENGINES
 from toolkit.errors import RunFailure, report
 from toolkit.launch.engine_specs import LAUNCH_DEFAULT
@@ -95,9 +96,16 @@ def _checkpoint_parser(sub):
                    "alone (default: the checkpoints folder's sibling CHECKPOINTS-full)")
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(StrictParser):
     def error(self, message):  # one line and exit 2, like every other user error here
-        self.exit(2, f"error: {message} (see `toolkit --help`)\n")
+        self.exit(2, f"error: {with_suggestion(self, message)} (see `toolkit --help`)\n")
+
+
+def _command_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
+    """The parser of the (sub)command that `args` chose: `toolkit checkpoint consolidate` -> consolidate's."""
+    while chosen := next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None):
+        parser = chosen.choices[getattr(args, chosen.dest)]
+    return parser
 
 
 def main(argv=None) -> int:
@@ -108,7 +116,9 @@ def main(argv=None) -> int:
     _env_parser(sub)
     _compare_parser(sub)
     _checkpoint_parser(sub)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # refused by the (sub)command's own parser, which knows the flag meant
+        _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         if args.command == "launch":
             from toolkit.launch.launcher import launch

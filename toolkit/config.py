@@ -1,4 +1,5 @@
-"""Command-line flags from a hyperparameter dataclass, so a recipe declares each setting once.
+"""Command-line flags from a hyperparameter dataclass, so a recipe declares each setting once; the parser every
+command of the toolkit uses (no abbreviated flags) and `listing`, how a message shortens a list.
 
 >>> from dataclasses import dataclass, field
 >>> @dataclass
@@ -18,10 +19,52 @@ import typing
 from toolkit.errors import install_excepthook
 
 
-class _Parser(argparse.ArgumentParser):
+def listing(items, limit: int = 8) -> str:
+    """`items` for a message, comma-separated; past `limit` of them, the rest counted, so a shortened list
+    never reads as a complete one.
+
+    >>> listing(["cat", "dog"])
+    'cat, dog'
+    >>> listing([f"c{i}" for i in range(12)], limit=3)
+    'c0, c1, c2, … and 9 more'
+    """
+    items = [str(item) for item in items]
+    if len(items) <= limit + 1:  # "… and 1 more" would take the place of the one name it hides
+        return ", ".join(items)
+    return f"{', '.join(items[:limit])}, … and {len(items) - limit} more"
+
+
+class StrictParser(argparse.ArgumentParser):
+    """An ArgumentParser that takes no abbreviations: argparse's default would take `--epoch 2` for `--epochs 2`
+    without a word. Every parser of the toolkit is one (`with_suggestion` then names the flag meant)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
+def with_suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+    """argparse's message, plus the flag of `parser` an unknown one abbreviates or resembles: `unrecognized
+    arguments: --epoch 2; did you mean --epochs?`."""
+    import difflib
+
+    unknown = next((word.split("=")[0] for word in message.split() if word.startswith("--")), None)
+    if not message.startswith("unrecognized arguments:") or unknown is None:
+        return message
+    names = {}  # every spelling of a flag -> its first spelling
+    for action in parser._actions:
+        spellings = [s for s in action.option_strings if s.startswith("--")]
+        if action.help != argparse.SUPPRESS:
+            names.update((s, spellings[0]) for s in spellings)
+    close = sorted({names[s] for s in names if s.startswith(unknown)}) or [
+        names[s] for s in difflib.get_close_matches(unknown, sorted(names), n=1, cutoff=0.75)]
+    return f"{message}; did you mean {' or '.join(close)}?" if close else message
+
+
+class _Parser(StrictParser):
     def error(self, message):  # one line and exit 2, said by each node's local rank 0 (every rank parses the same)
         speaks = os.environ.get("LOCAL_RANK", "0") in ("", "0")
-        self.exit(2, f"error: {message} (see --help)\n" if speaks else None)
+        self.exit(2, f"error: {with_suggestion(self, message)} (see --help)\n" if speaks else None)
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from toolkit.config import listing
 from toolkit.data.memory import AUGMENTATIONS, leave_stops_to_the_trainer, sample_rng
 from toolkit.errors import UserError
 
@@ -107,9 +108,7 @@ def open_images(spec: str, cache_dir: str | Path = "data") -> ImageSplits:
     classes, train_files = _scan(train)
     val_classes, val_files = _scan(val)
     if val_classes != classes:
-        differ = sorted(set(classes) ^ set(val_classes)) or "the same names in another order"
-        raise UserError(f"{val} has classes {val_classes[:8]} but {train} has {classes[:8]} (differing: {differ}); "
-                        "both must hold one folder per class with the same names.")
+        raise UserError(_class_difference(train, classes, val, val_classes))
     return ImageSplits(ImageFiles([p for p, _ in train_files], [c for _, c in train_files], str(train)),
                        ImageFiles([p for p, _ in val_files], [c for _, c in val_files], str(val)), classes, str(root))
 
@@ -126,9 +125,26 @@ def _scan(folder: Path):
     counts = torch.bincount(torch.tensor([c for _, c in files], dtype=torch.long), minlength=len(classes))
     empty = [classes[i] for i in range(len(classes)) if counts[i] == 0]
     if empty:
-        raise UserError(f"class folder(s) {empty[:5]} in {folder} hold no image files ({', '.join(IMG_EXTENSIONS)}); "
-                        "add images or remove the folder.")
+        raise UserError(f"class folder(s) [{listing(map(repr, empty))}] in {folder} hold no image files "
+                        f"({', '.join(IMG_EXTENSIONS)}); add images or remove the folder.")
     return classes, files
+
+
+def _class_difference(train: Path, classes: list[str], val: Path, val_classes: list[str]) -> str:
+    """What one split has that the other lacks, each way (find_classes sorts names: a different list is a
+    different set).
+
+    >>> said = _class_difference(Path("d/train"), ["cat", "dog", "eel"], Path("d/val"), ["cat", "fox"])
+    >>> print(said.split("; both")[0])
+    d/train has 2 classes that d/val lacks (dog, eel); d/val has 1 class that d/train lacks (fox)
+    """
+    differences = []
+    for has, lacks, only in ((train, val, sorted(set(classes) - set(val_classes))),
+                             (val, train, sorted(set(val_classes) - set(classes)))):
+        if only:
+            differences.append(f"{has} has {len(only)} class{'es' if len(only) > 1 else ''} that {lacks} lacks "
+                               f"({listing(only)})")
+    return "; ".join(differences) + "; both must hold one folder per class with the same names."
 
 
 def open_hf_images(spec: str, cache_dir: Path) -> ImageSplits:

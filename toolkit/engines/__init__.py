@@ -16,7 +16,7 @@ import importlib
 
 from toolkit.errors import UserError, install_excepthook
 from toolkit.launch.engine_specs import AUTO_BY_LAUNCHER, ENGINE_SPECS
-from toolkit.launch.env import LaunchEnv, read_launch_env
+from toolkit.launch.env import LaunchEnv, Threads, read_launch_env, threads_per_process
 
 # name -> "module:Class", imported lazily so that choosing ddp never imports accelerate.
 ENGINES = {name: spec.builds for name, spec in ENGINE_SPECS.items()}
@@ -51,6 +51,8 @@ def build_accelerator(engine: str = "auto", **kwargs):
     >>> accelerator = build_accelerator("single")
     >>> accelerator.num_processes
     1
+
+    `accelerator.threads` says how many intra-op threads each process runs, and why (`set_threads`).
     """
     env = read_launch_env()
     install_excepthook()
@@ -73,12 +75,26 @@ def build_accelerator(engine: str = "auto", **kwargs):
     module_name, class_name = spec.builds.split(":")
     engine_class = getattr(importlib.import_module(module_name), class_name)
     built = engine_class(env, **kwargs)
+    # After the engine: without OMP_NUM_THREADS, Accelerate's CPU ranks set physical cores / local processes.
+    built.threads = set_threads(env)
     check_world(built, env)
     if not spec.accelerator:  # a real Accelerator keeps its own state
         from toolkit.engines.accelerate_settings import share_state_with_accelerate
 
         share_state_with_accelerate(built)
     return built
+
+
+def set_threads(env: LaunchEnv) -> Threads:
+    """Set torch's intra-op threads for this process by the rule of `threads_per_process` (the cores it may run
+    on over the processes of its machine, or OMP_NUM_THREADS) and return the count with its reason. It holds
+    on GPU ranks too, for the work they do on the CPU."""
+    import torch
+
+    threads = threads_per_process(env, current=torch.get_num_threads())
+    if torch.get_num_threads() != threads.count:
+        torch.set_num_threads(threads.count)
+    return threads
 
 
 def check_world(engine, env: LaunchEnv):

@@ -15,6 +15,7 @@ import random
 import sys
 import types
 import weakref
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from toolkit.engines.accelerate_state import load_state_verified, save_state_ato
 from toolkit.engines.prepared import has_gradients
 from toolkit.engines.state_folder import check_checkpoint_format
 from toolkit.engines.trackers import tensors_to_numbers
+from toolkit.engines.weights import honour_umask
 from toolkit.engines.observers import EngineObservers
 from toolkit.engines.tracking import for_accelerate
 from toolkit.errors import UserError
@@ -128,6 +130,7 @@ class AccelerateEngine:
     )
 
     skipped_steps = 0  # optimizer steps not applied (fp16 overflow, or no backward at all)
+    threads = None  # a toolkit.launch.env.Threads: build_accelerator sets torch's thread count and says it here
 
     def prepare(self, *objects, **kwargs):
         prepared = self.accelerator.prepare(*objects, **kwargs)
@@ -153,6 +156,25 @@ class AccelerateEngine:
     def save_state(self, output_dir=None, safe_serialization: bool = True, **save_model_func_kwargs):
         """Accelerate's own save_state, published atomically with the toolkit's state.json and manifest.json."""
         return save_state_atomically(self, output_dir, safe_serialization, **save_model_func_kwargs)
+
+    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True):
+        """Accelerate's own save_model, its safetensors files then given the umask's mode (honour_umask)."""
+        self.accelerator.save_model(model, save_directory, max_shard_size=max_shard_size,
+                                    safe_serialization=safe_serialization)
+        if self._writes_files():
+            honour_umask(*Path(save_directory).glob("*.safetensors"))
+
+    def save(self, obj, f, safe_serialization: bool = False):
+        """Accelerate's own save, a safetensors file then given the umask's mode (honour_umask)."""
+        self.accelerator.save(obj, f, safe_serialization=safe_serialization)
+        if safe_serialization and self._writes_files():
+            honour_umask(f)
+
+    def _writes_files(self) -> bool:
+        """Whether Accelerate's save and save_model write in this process (the main one, or each node's)."""
+        if self.accelerator.project_configuration.save_on_each_node:
+            return self.accelerator.is_local_main_process
+        return self.accelerator.is_main_process
 
     def load_state(self, input_dir=None, load_kwargs=None, **load_model_func_kwargs):
         """Accelerate's own load_state, after checking the folder against its manifest when it has one."""

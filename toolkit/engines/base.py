@@ -142,6 +142,7 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
     `wait_for_everyone`, `end_training`."""
 
     name = "torch"
+    threads = None  # a toolkit.launch.env.Threads: build_accelerator sets torch's thread count and says it here
 
     def __init__(self, env: LaunchEnv, *, mixed_precision: str | None = None, gradient_accumulation_steps: int = 1,
                  split_batches: bool = False, step_scheduler_with_optimizer: bool = True, cpu: bool = False,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from toolkit.config import listing
 from toolkit.errors import UserError
 from toolkit.engines.collectives import all_ranks
 from toolkit.engines.full_state import load_full_weights, write_full_weights
@@ -26,7 +27,7 @@ from toolkit.engines.state_files import (CUSTOM_FILE, SCALER_NAME, custom_file, 
                                          with_registered_state, write_training_state)
 from toolkit.engines.state_folder import (MANIFEST_NAME, check_checkpoint_format, checkpoint_format, publish,
                                           remove_folder, seal, start_folder, verify_folder)
-from toolkit.engines.weights import one_name_per_storage
+from toolkit.engines.weights import one_name_per_storage, save_safetensors
 
 # What save_state may replace: the files a checkpoint folder holds (sharded: torch.distributed.checkpoint's).
 _CHECKPOINT_FILE = re.compile(r"(model|optimizer|scheduler|sampler|dl_state_dict)(_\d+)?\.(safetensors|bin)|"
@@ -160,9 +161,7 @@ class CheckpointingMixin:
         if not self.is_main_process:
             return
         if safe_serialization:
-            import safetensors.torch
-
-            safetensors.torch.save_file(one_name_per_storage(obj), str(f), metadata={"format": "pt"})
+            save_safetensors(one_name_per_storage(obj), f)
         else:
             torch.save(obj, f)
 
@@ -277,7 +276,7 @@ def _refuse_foreign_files(final: Path):
     foreign = sorted(p.name for p in final.iterdir() if not _CHECKPOINT_FILE.fullmatch(p.name))
     if foreign:
         raise UserError(f"save_state would replace {final}, which holds files that are not a checkpoint's "
-                        f"({', '.join(foreign[:3])}); save into a folder of its own.")
+                        f"({listing(foreign, 3)}); save into a folder of its own.")
 
 
 def _write_weights(state_dict, directory: Path, max_shard_size, safe_serialization: bool):
@@ -292,9 +291,7 @@ def _write_weights(state_dict, directory: Path, max_shard_size, safe_serializati
     for filename, names in split.filename_to_tensors.items():
         shard = {name: state_dict[name] for name in names}
         if safe_serialization:
-            import safetensors.torch
-
-            safetensors.torch.save_file(shard, str(directory / filename), metadata={"format": "pt"})
+            save_safetensors(shard, directory / filename)
         else:
             torch.save(shard, directory / filename)
     if split.is_sharded:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from toolkit.errors import UserError
 from toolkit.engines.state_files import RNG_FILE, read_state_json
+from toolkit.engines.weights import honour_umask
 
 MANIFEST_NAME = "manifest.json"
 CHECKPOINT_FORMATS = ("full", "sharded")
@@ -70,11 +71,13 @@ def start_folder(final: Path) -> Path:
 
 
 def seal(folder: Path, about: dict):
-    """Write manifest.json last (size and sha256 of every file, plus `about`) and make it all durable."""
+    """Write manifest.json last (size and sha256 of every file, plus `about`) and make it all durable. Every
+    file gets the mode the umask gives, whoever wrote it (Accelerate's safetensors writes are 0600)."""
     files = {}
     for path in sorted(folder.iterdir()):
         if path.name == MANIFEST_NAME or not path.is_file():
             continue
+        honour_umask(path)
         fsync(path)
         files[path.name] = {"size": path.stat().st_size, "sha256": sha256(path)}
     manifest = folder / MANIFEST_NAME

@@ -7,8 +7,10 @@ save/load the bare module's tensors as safetensors, so a file written under one 
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
+import stat
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,6 +18,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from toolkit.config import listing
 from toolkit.errors import UserError
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -55,11 +58,52 @@ def save_model(model, path):
     ['bias', 'weight']
     """
     if isinstance(model, Mapping):  # a state dict, e.g. the full one an FSDP engine gathered
-        safetensors.torch.save_file(one_name_per_storage(model), str(path), metadata={"format": "pt"})
+        save_safetensors(one_name_per_storage(model), path)
         return
     # safetensors.save_model drops duplicate names of tied tensors, makes tensors
     # contiguous and copies them to CPU, which plain save_file would not do.
     safetensors.torch.save_model(unwrap_model(model), str(path), metadata={"format": "pt"})
+    honour_umask(path)
+
+
+def save_safetensors(tensors: dict, path):
+    """safetensors.torch.save_file, the file then given the mode every other file gets (honour_umask)."""
+    safetensors.torch.save_file(tensors, str(path), metadata={"format": "pt"})
+    honour_umask(path)
+
+
+def honour_umask(*paths):
+    """Give each file the mode open() gives a new one: 0o666 less the umask (0644 under umask 022, 0640 under
+    027). safetensors 0.8 writes through a temporary file, created 0600, that it renames into place
+    (safetensors#782): the weights of a checkpoint would be the one file teammates cannot read. A file of
+    another owner is left as it is (chmod would fail; this process did not write it).
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     save_safetensors({"w": torch.zeros(1)}, f"{folder}/w.safetensors")
+    ...     open(f"{folder}/w.txt", "w").close()
+    ...     os.stat(f"{folder}/w.safetensors").st_mode == os.stat(f"{folder}/w.txt").st_mode
+    True
+    """
+    mode = 0o666 & ~_umask()
+    for path in paths:
+        status = os.stat(path)
+        if status.st_uid == os.geteuid() and stat.S_IMODE(status.st_mode) != mode:
+            os.chmod(path, mode)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it where Linux shows it (os.umask can only set it)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def one_name_per_storage(state_dict):
@@ -160,8 +204,7 @@ def mismatch_sentence(source, missing, unexpected, reshaped):
     parts = []
     for label, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", reshaped)):
         if keys:
-            more = f" and {len(keys) - _SHOWN_KEYS} more" if len(keys) > _SHOWN_KEYS else ""
-            parts.append(f"{label}: {', '.join(keys[:_SHOWN_KEYS])}{more}")
+            parts.append(f"{label}: {listing(keys, _SHOWN_KEYS)}")
     fit = f"Weights in {source} do not fit this model (a checkpoint from a different model?)"
     return f"{fit}; {'; '.join(parts)}."
 

@@ -53,10 +53,46 @@ class LaunchEnv:
     use_cpu: bool = False  # ACCELERATE_USE_CPU: the profile asked for the CPU, GPUs or not
     parity_dir: str | None = None  # TOOLKIT_PARITY_DIR: `toolkit parity` started this run to record K steps
     debug_nan_step: int | None = None  # TOOLKIT_DEBUG_NAN_STEP: tests put a NaN in this step's loss on rank 0
+    omp_num_threads: int | None = None  # OMP_NUM_THREADS when it is a thread count (torchrun sets 1 for workers)
+    cpu_cores: int = 1  # the cores this process may run on: its CPU affinity (taskset, srun --cpu-bind, cpuset)
 
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
+
+
+@dataclass(frozen=True)
+class Threads:
+    """torch's intra-op threads in each process, and where the number comes from."""
+
+    count: int
+    reason: str  # "OMP_NUM_THREADS", "set by toolkit.spawn", or the rule's "8 cores / 2 processes"
+
+    def __str__(self) -> str:
+        return f"{self.count} thread{'s' if self.count != 1 else ''} per process ({self.reason})"
+
+
+def threads_per_process(env: LaunchEnv, current: int) -> Threads:
+    """How many intra-op threads a process should run: OMP_NUM_THREADS when it is set; else the cores this
+    process may run on shared by the processes of its machine, at least 1 (torch's own default gives every
+    process a thread per core it sees: N processes on C cores run N x C threads). A toolkit.spawn
+    worker keeps the `current` count spawn gave it (one thread for several workers, and for a forked one, whose
+    first parallel op could otherwise hang).
+
+    >>> from dataclasses import replace
+    >>> env = read_launch_env(environ={}, argv=["train.py"])
+    >>> str(threads_per_process(replace(env, cpu_cores=16, local_world_size=3), current=16))
+    '5 threads per process (16 cores / 3 processes)'
+    >>> str(threads_per_process(replace(env, omp_num_threads=1, cpu_cores=16), current=1))
+    '1 thread per process (OMP_NUM_THREADS)'
+    """
+    if env.launcher == "spawn":
+        return Threads(current, "set by toolkit.spawn")
+    if env.omp_num_threads is not None:
+        return Threads(env.omp_num_threads, "OMP_NUM_THREADS")
+    cores, processes = env.cpu_cores, env.local_world_size
+    return Threads(max(1, cores // processes),
+                   f"{cores} core{'s' if cores != 1 else ''} / {processes} process{'es' if processes != 1 else ''}")
 
 
 def _int(environ: Mapping[str, str], *names: str, default: int | None = None) -> int | None:
@@ -201,4 +237,21 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
         use_cpu=use_cpu,
         parity_dir=environ.get("TOOLKIT_PARITY_DIR") or None,
         debug_nan_step=_int(environ, "TOOLKIT_DEBUG_NAN_STEP"),
+        omp_num_threads=_thread_count(environ.get("OMP_NUM_THREADS")),
+        cpu_cores=_cpu_cores(),
     )
+
+
+def _thread_count(value: str | None) -> int | None:
+    """OMP_NUM_THREADS's count ("4", or "4,2" for nested levels); None when unset or not a count (OpenMP
+    itself then warns and ignores it)."""
+    match = re.fullmatch(r"\s*(\d+)\s*(?:,.*)?", value or "")
+    return int(match.group(1)) if match and int(match.group(1)) > 0 else None
+
+
+def _cpu_cores() -> int:
+    """The cores this process may run on (os.cpu_count() counts the machine's, whatever the affinity)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS and Windows have no affinity call
+        return os.cpu_count() or 1
