@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from toolkit.config import listing
+
 # Where the run goes and what it records: a resume may change these and the math stays the same (a world size
 # or engine switch is the toolkit's promise; a moved data folder still holds the same data, and the classes
 # are compared on their own).
@@ -46,8 +48,8 @@ def shown(value, limit: int = 4) -> str:
     """A value as a message shows it: lists cut to `limit` items with how many more."""
     if value is None:
         return "unset"
-    if isinstance(value, (list, tuple)) and len(value) > limit:
-        return "[" + ", ".join(map(str, value[:limit])) + f", … and {len(value) - limit} more]"
+    if isinstance(value, (list, tuple)):
+        return f"[{listing(value, limit)}]"
     return str(value)
 
 
