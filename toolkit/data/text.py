@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from toolkit.data.memory import MemoryLoader, mix_seed
+from toolkit.config import listing
 from toolkit.errors import UserError
 
 GENESIS = Path(__file__).with_name("texts") / "genesis.txt"
@@ -49,7 +50,7 @@ class CharText:
         """The tokens of `text`, one per character; every character must be in the vocabulary."""
         unknown = set(text) - self._index.keys()
         if unknown:
-            raise UserError(f"{''.join(sorted(unknown))[:20]!r} is not in the {self.vocab_size}-character "
+            raise UserError(f"{len(unknown)} character(s) ({listing(map(repr, sorted(unknown)), 12)}) are not in the {self.vocab_size}-character "
                             f"vocabulary of {self.name}; use only characters that occur in it.")
         dtype = torch.uint8 if self.vocab_size <= 256 else torch.int32
         return torch.tensor([self._index[c] for c in text], dtype=dtype)

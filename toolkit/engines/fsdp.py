@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from toolkit.engines.base import amp_dtype
 from toolkit.engines.prepared import PreparedOptimizer
 from toolkit.engines.ddp import RawDDPEngine
+from toolkit.config import listing
 from toolkit.errors import UserError
 
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
@@ -254,7 +255,7 @@ class FSDPEngine(RawDDPEngine):
         if replicated and self.scaler is not None:
             # torch's GradScaler checks a step's gradients in one call that must be all sharded or all whole.
             names = list(replicated_parameters(model, units))
-            raise UserError(f"the fsdp engine cannot train fp16 with parameters it keeps whole ({', '.join(names[:3])}: "
+            raise UserError(f"the fsdp engine cannot train fp16 with parameters it keeps whole ({listing(names, 3)}: "
                             f"scalars or tied weights); use bf16, or the ddp engine for fp16.")
         for unit in units:
             fully_shard(unit, mesh=self._mesh, mp_policy=policy, ignored_params=set(replicated))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from toolkit.config import listing
 from toolkit.errors import UserError
 from toolkit.models.nets import MODELS, build_model
 
@@ -93,11 +94,11 @@ def start_from_weights(model: torch.nn.Module, path: str, say) -> None:
     heads = sorted({k.rsplit(".", 1)[0] for k in fresh})
     if fresh and len(heads) > 2:  # more than one head layer differs: the file is another architecture
         raise UserError(f"{path} does not fit this model: {len(fresh)} tensors have other shapes "
-                        f"({', '.join(fresh[:3])}, ...); is it a checkpoint of another model?")
+                        f"({listing(fresh, 3)}); is it a checkpoint of another model?")
     load_model(model, {k: v for k, v in weights.items() if k not in fresh}, strict=False)
     missing = [k for k in expected if k not in weights]
     if missing:
-        raise UserError(f"{path} lacks {len(missing)} of this model's tensors ({', '.join(missing[:3])}); "
+        raise UserError(f"{path} lacks {len(missing)} of this model's tensors ({listing(missing, 3)}); "
                         "is it a checkpoint of another model?")
     if fresh:
         before = weights[fresh[0]].shape[0]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from toolkit.config import listing
 from toolkit.errors import UserError
 
 
@@ -36,11 +37,6 @@ def _divisors(n: int, limit: int = 64) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
-def _listing(numbers: list[int], most: int = 8) -> str:
-    shown = ", ".join(map(str, numbers[:most]))
-    return shown + (", ..." if len(numbers) > most else "")
-
-
 def plan_batches(global_batch: int, processes: int, micro_batch: int | None = None) -> BatchPlan:
     """Split `global_batch` over `processes`, each computing micro-batches of `micro_batch` (default: its
     whole share in one forward). A split that does not divide is refused with one sentence naming the
@@ -52,12 +48,12 @@ def plan_batches(global_batch: int, processes: int, micro_batch: int | None = No
         below, above = global_batch // processes * processes, (global_batch // processes + 1) * processes
         raise UserError(
             f"--global-batch-size {global_batch} does not split evenly over {processes} processes; launch "
-            f"{_listing(_divisors(global_batch))} process(es), or with {processes} use a multiple of {processes} "
+            f"{listing(_divisors(global_batch))} process(es), or with {processes} use a multiple of {processes} "
             f"such as {' or '.join(str(n) for n in (below, above) if n)}.")
     share = global_batch // processes
     micro = share if micro_batch is None else micro_batch
     if share % micro:
         raise UserError(
             f"--micro-batch-size {micro} does not divide the {share} images each of the {processes} process(es) "
-            f"computes per optimizer step (global batch {global_batch}); use one of {_listing(_divisors(share))}.")
+            f"computes per optimizer step (global batch {global_batch}); use one of {listing(_divisors(share))}.")
     return BatchPlan(global_batch, processes, micro, share // micro)
