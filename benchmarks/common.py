@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def build_parser(name: str, doc: str) -> argparse.ArgumentParser:
     """The flags every benchmark takes: --quick and --out (default benchmarks/out/<name>)."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0],
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0], allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc)
     parser.add_argument("--quick", action="store_true",
                         help="small sizes, a few seconds: exercises the code, the numbers are rough")

@@ -40,7 +40,7 @@ def epoch_seconds(loader, epoch: int) -> float:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--data-dir", required=True, help="ImageFolder layout (train/<class>/*) or hf:PATH")
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=64)

@@ -44,7 +44,7 @@ def ring_seconds(ranks: int, nbytes: float, alpha: float, beta: float) -> float:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--max-mb", type=float, default=64.0, help="largest message, MB (doubling from 4 KB)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--grad-mb", type=float, default=44.7, help="gradient to predict for (ResNet-18 fp32: 44.7)")
