@@ -94,10 +94,14 @@ def main(argv=None):
     accelerator.register_for_checkpointing(scheduler, run)
     if (folder := run.resume_folder()) is not None:
         accelerator.load_state(folder)  # weights, optimizer, schedule, every rank's RNG and the run's position
+    if run.finished:  # --resume of a run that had ended: its summary.json stands, nothing is trained or rewritten
+        accelerator.end_training()
+        return run.finished
     accelerator.init_trackers("logs", config=asdict(cfg))  # --log-with's trackers, in OUTPUT_DIR/logs
     accelerator.print(f"{cfg.model} on {data.name}: {len(data.train_x)} train / {len(data.test_x)} test images; "
                       f"engine {accelerator.name}; global batch {plan}; {run.total_steps} steps; {lr_rule}; "
-                      f"mixed precision {accelerator.mixed_precision}")
+                      f"mixed precision {accelerator.mixed_precision}; {accelerator.threads}")
+    run.divergence.started(classes=data.num_classes)  # one line if the schedule is too short to start at full lr
 
     def save_checkpoint():  # on every rank: under fsdp the weights are gathered (or each rank writes its shards)
         if average_bn:  # --sync-bn on CPU ranks: every rank saves, then evaluates, the ranks' mean statistics

@@ -102,10 +102,15 @@ def main(argv=None):
     accelerator.register_for_checkpointing(scheduler, run)
     if (folder := run.resume_folder()) is not None:
         accelerator.load_state(folder)  # weights, optimizer, schedule, every rank's RNG and the run's position
+    if run.finished:  # --resume of a run that had ended: its summary.json stands, nothing is trained or rewritten
+        accelerator.end_training()
+        return run.finished
     accelerator.init_trackers("logs", config=asdict(cfg))  # --log-with's trackers, in OUTPUT_DIR/logs
     accelerator.print(f"{cfg.model} at {cfg.image_size}px on {data.name}: {len(data.train)} train / {len(data.val)} "
                       f"val images, {len(data.classes)} classes; engine {accelerator.name}; global batch {plan}; "
-                      f"{run.total_steps} steps; {lr_rule}; mixed precision {accelerator.mixed_precision}")
+                      f"{run.total_steps} steps; {lr_rule}; mixed precision {accelerator.mixed_precision}; "
+                      f"{accelerator.threads}")
+    run.divergence.started(classes=len(data.classes))  # one line if the schedule is too short to start at full lr
 
     def save_checkpoint():  # on every rank: under fsdp the weights are gathered (or each rank writes its shards)
         if average_bn:  # --sync-bn on CPU ranks: every rank saves, then evaluates, the ranks' mean statistics

@@ -75,10 +75,15 @@ def main(argv=None):
     accelerator.register_for_checkpointing(scheduler, run)
     if (folder := run.resume_folder()) is not None:
         accelerator.load_state(folder)  # weights, optimizer, schedule, every rank's RNG and the run's position
+    if run.finished:  # --resume of a run that had ended: its summary.json stands, nothing is trained or rewritten
+        accelerator.end_training()
+        return run.finished
     accelerator.init_trackers("logs", config=asdict(cfg))  # --log-with's trackers, in OUTPUT_DIR/logs
     accelerator.print(f"{cfg.model} on {text.name}: {len(text.train)} train / {len(text.val)} val characters, "
                       f"{text.vocab_size} distinct; {block_size} per sequence; engine {accelerator.name}; global batch "
-                      f"{plan}; {run.total_steps} steps; {lr_rule}; mixed precision {accelerator.mixed_precision}")
+                      f"{plan}; {run.total_steps} steps; {lr_rule}; mixed precision {accelerator.mixed_precision}; "
+                      f"{accelerator.threads}")
+    run.divergence.started(classes=text.vocab_size)  # one line if the schedule is too short to start at full lr
 
     metrics = None
     with run_guard(run) as guard:  # Ctrl-C/SIGTERM: a checkpoint at the next step, then exit 130

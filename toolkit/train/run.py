@@ -69,7 +69,7 @@ class TrainingRun:
         self._progress = self._tick = self._resumed_from = None
         # Loud warnings for a run that trains to nothing with exit 0: a schedule too short to start at the full lr
         # (said by `run.divergence.started(classes)` after the start line) and evaluations that diverge or stay at
-        # chance; `warnings` holds every line said, for the summary.
+        # chance; `warnings` holds those lines (the start-time one from here on), for the summary.
         self.divergence = DivergenceWatch(self.total_steps, cfg.lr, plan.global_batch, cfg.warmup, say=self.say)
         self.warnings = self.divergence.warnings
 
@@ -284,7 +284,7 @@ class TrainingRun:
             wall_time_s=round(sum(a["wall_time_s"] for a in attempts), 3), attempts=attempts,
             world_size=accelerator.num_processes, global_batch_size=plan.global_batch, micro_batch_size=plan.micro_batch,
             gradient_accumulation=plan.accumulation, mixed_precision=accelerator.mixed_precision,
-            skipped_steps=getattr(accelerator, "skipped_steps", 0), **extra, config=self.config)
+            skipped_steps=getattr(accelerator, "skipped_steps", 0), warnings=self.warnings, **extra, config=self.config)
         self.records.close()
         skipped, rate = summary["skipped_steps"], summary["images_per_s"]
         accelerator.print(f"done: test accuracy {summary['test_accuracy']:.4f}"
