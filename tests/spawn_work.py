@@ -37,7 +37,7 @@ def train(out_dir: str):
         weights = {k: v.tolist() for k, v in accelerator.unwrap_model(model).state_dict().items()}
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / "result.json").write_text(json.dumps(
-            {"engine": accelerator.name, "world_size": accelerator.num_processes,
+            {"engine": accelerator.name, "world_size": accelerator.num_processes, "device": str(accelerator.device),
              "launcher": accelerator.env.launcher, "gathered": seen, "weights": weights}))
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -1,6 +1,7 @@
 """A user error under a multi-process launch: its sentence once, no Python traceback from our processes,
 every rank ended (not timed out), exit 2 under `toolkit launch`; plain `accelerate launch` and torchrun
-exit non-zero with their own summary naming our sentence as the root cause (torchelastic's error file).
+exit non-zero with their own summary naming our sentence as the root cause (torchelastic's error file), and
+every other rank's entry naming it too (`rank 1 stopped: rank 0 failed: ...`), never a transport error.
 
 Each launch costs ~10 s here, so each case runs under the launchers whose behaviour differs for it: rank 0
 failing inside main_process_first under toolkit launch's default engine, and a check that fails on rank 1
@@ -47,6 +48,24 @@ def our_lines(proc):
     return [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error: ")]
 
 
+def report_entries(output: str) -> tuple[dict, tuple | None]:
+    """torchelastic's failure report: ({rank: its `traceback :` text} of every entry, (rank, text) of the root
+    cause)."""
+    def entries(text):
+        found, rank = {}, None
+        for line in text.splitlines():
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "rank":
+                rank = int(value.split()[0])
+            elif key == "traceback" and rank is not None:
+                found[rank] = value
+        return found
+
+    failures, _, root_cause = output.partition("Root Cause")
+    root = entries(root_cause)
+    return {**entries(failures.partition("Failures:")[2]), **root}, next(iter(root.items()), None)
+
+
 @pytest.mark.parametrize("case,launcher", PAIRS, ids=[f"{launcher}: {case}" for case, launcher in PAIRS])
 def test_one_sentence_under_a_two_process_launch(case, launcher, tmp_path):
     script, words, _ = CASES[case]
@@ -79,9 +98,10 @@ def test_python_exits_2_with_one_line(tmp_path):
 
 
 def test_ctrl_c_under_toolkit_launch_saves_a_checkpoint_and_says_one_line(tmp_path):
-    """Ctrl-C reaches the whole foreground process group (the launcher and both ranks): the ranks finish their
-    step and save it, and toolkit launch exits 130 with the run's one line, without torchelastic's traceback
-    for the signal that stopped its agent."""
+    """Ctrl-C reaches the whole foreground process group, which holds the launcher (torchrun's workers run in
+    sessions of their own); it stops both ranks with SIGTERM, they finish their step and save it, and toolkit
+    launch exits 130 with the run's one line, without torchelastic's traceback for the signal that stopped its
+    agent and without a line of its own (the ranks told it theirs was said)."""
     out = tmp_path / "run"
     proc = subprocess.Popen(TOOLKIT + ["launch", "--config_file", CPU, "--engine", "ddp", CIFAR, "--dataset",
                                        "synthetic", "--model", "tiny", "--epochs", "3", "--output-dir", str(out)],
@@ -102,3 +122,81 @@ def test_ctrl_c_under_toolkit_launch_saves_a_checkpoint_and_says_one_line(tmp_pa
     assert len(said) == 1 and lines[-1] == said[0], lines  # once, and nothing after it
     step = int(said[0].split()[3].rstrip(":"))
     assert latest_checkpoint(out / "checkpoints").name == f"step-{step:08d}"
+
+
+def test_a_rank_failing_mid_step_is_named_on_every_ranks_entry_under_plain_accelerate_launch(tmp_path):
+    """Rank 0 stops in step 3 with a user error (a corrupt image only it decodes) while rank 1 waits in the
+    step's collective, which breaks when rank 0 exits. Rank 1 must not report the cut gloo error ("Connection
+    closed by peer ... This is typically caused by a rem"), which reads as a network fault, but rank 0's
+    sentence, read from the job's store; the launcher's root cause is rank 0's own entry."""
+    sentence = "data/train/digit_3/0389.png is not a readable image (image file is truncated); remove or replace it."
+    proc = run(LAUNCHERS["accelerate launch"] + [SCRIPTS / "fail_at_step.py", CIFAR, "--dataset", "synthetic",
+                                                 "--model", "tiny", "--epochs", "1", "--output-dir", tmp_path / "o"],
+               check=False, timeout=150, FAIL_RANK=0, FAIL_STEP=3, FAIL_SENTENCE=sentence)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and our_lines(proc) == [f"error: {sentence}"], output
+    entries, root = report_entries(output)
+    assert root == (0, f"error: {sentence}"), output
+    assert entries[1] == f"rank 1 stopped: rank 0 failed: {sentence}", output
+    assert not any(words in output for words in ("lost contact", "Connection", "typically caused")), output
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate launch"])
+def test_a_flag_typo_is_the_root_cause_of_plain_torchrun_and_accelerate_launch(launcher, tmp_path):
+    """docs/fault-tolerance.md: under plain torchrun and accelerate launch the launcher's own report names our
+    sentence as its root cause, for a flag argparse refuses too (before any process group exists)."""
+    command = (TORCHRUN + ["--master_port", free_port()] if launcher == "torchrun"
+               else LAUNCHERS["accelerate launch"])
+    proc = run(command + [CIFAR, "--engine", "ddp", "--dataset", "synthetic", "--model", "tiny", "--epochz", "2",
+                          "--output-dir", tmp_path / "o"], check=False, timeout=150)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and len(our_lines(proc)) == 1, output
+    assert "unrecognized arguments: --epochz 2" in our_lines(proc)[0], output
+    _, root = report_entries(output)
+    assert root is not None and root[1] == our_lines(proc)[0], output
+
+
+def importing_torch(pid: int) -> bool:
+    """Whether process `pid` has begun importing torch (its shared libraries are being mapped)."""
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            return "site-packages/torch/lib/" in maps.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("moment,engine", [("the launcher imports torch", "ddp"),
+                                           ("the workers import torch", "ddp"),
+                                           ("the workers import torch", "accelerate"),
+                                           ("the workers import torch", "single")])
+def test_ctrl_c_while_starting_is_one_line_and_exit_130(tmp_path, moment, engine):
+    """Ctrl-C before any rank trains: the launcher is still importing torch, or its workers are (KeyboardInterrupt
+    tracebacks from both ranks, 38 lines, used to follow). One line, exit 130, and no worker left running. The
+    single engine's one process is the launcher's child, not a torchrun agent's."""
+    import psutil
+
+    proc = subprocess.Popen(TOOLKIT + ["launch", "--config_file", CPU, "--engine", engine, CIFAR, "--dataset",
+                                       "synthetic", "--model", "tiny", "--output-dir", str(tmp_path / "run")],
+                            cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own group, as a terminal's foreground job
+    workers = []
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            if moment == "the workers import torch":
+                workers = [child for child in psutil.Process(proc.pid).children(recursive=True)
+                           if "cifar.py" in " ".join(child.cmdline())]
+                if len(workers) == (1 if engine == "single" else 2) and all(importing_torch(w.pid) for w in workers):
+                    break
+            elif importing_torch(proc.pid):
+                break
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        kill_groups([proc])
+    assert proc.returncode == 130 and "Traceback" not in err and out == "", err
+    assert [line for line in err.splitlines() if not line.startswith("[toolkit]")] == [
+        "interrupted before the run reached a step it saves at: nothing new was saved."], err
+    assert not any(worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE for worker in workers)

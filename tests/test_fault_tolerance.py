@@ -131,6 +131,7 @@ def test_survivor_of_a_dead_peer_exits_within_the_timeout_with_one_line(tmp_path
     errors = rank_lines(tmp_path / "ranks0", "stderr")
     assert [line for line in errors if line.startswith("error: ")] == errors[-1:], errors[-20:]
     assert "rank 0 lost contact with the other ranks at step" in errors[-1], errors[-20:]
+    assert not any(words in errors[-1] for words in ("pair.cc", "Connection", "typically caused")), errors[-1]
     for node in (0, 1):
         for stream in ("stdout", "stderr"):
             lines = rank_lines(tmp_path / f"ranks{node}", stream)

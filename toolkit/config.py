@@ -16,7 +16,7 @@ import dataclasses
 import os
 import typing
 
-from toolkit.errors import install_excepthook
+from toolkit.errors import UserError, install_excepthook, write_error_file
 
 
 def listing(items, limit: int = 8) -> str:
@@ -64,7 +64,9 @@ def with_suggestion(parser: argparse.ArgumentParser, message: str) -> str:
 class _Parser(StrictParser):
     def error(self, message):  # one line and exit 2, said by each node's local rank 0 (every rank parses the same)
         speaks = os.environ.get("LOCAL_RANK", "0") in ("", "0")
-        self.exit(2, f"error: {with_suggestion(self, message)} (see --help)\n" if speaks else None)
+        sentence = f"{with_suggestion(self, message)} (see --help)"
+        write_error_file(UserError(sentence), said=speaks)  # plain torchrun and accelerate launch: their root cause
+        self.exit(2, f"error: {sentence}\n" if speaks else None)
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -3,10 +3,11 @@
 `UserError` (exit 2) is a mistake the user can fix; `RunFailure` (exit 1) is something that went wrong
 while running (a dead peer, a non-finite loss) after which the checkpoints on disk are still good.
 
-With several processes the sentence is said once: the first rank that fails says it (the others learn of
-it through the job's rendezvous store, or through `settle` in toolkit/engines/collectives.py) and the other
-ranks exit with the same code without a word. Before the process group exists, only each node's local rank 0
-speaks: every rank checks the same flags and would say the same thing.
+With several processes the sentence is said once: the first rank that fails says it and publishes it in the
+job's rendezvous store; the others learn of it there (or through `settle` in toolkit/engines/collectives.py)
+and exit with the same code without a word, their launcher report reading `rank 1 stopped: rank 0 failed:
+<its sentence>`. Before the process group exists, only each node's local rank 0 speaks: every rank checks the
+same flags and would say the same thing.
 """
 
 from __future__ import annotations
@@ -31,14 +32,18 @@ class UserError(RunFailure):
 
 
 class PeerFailure(RunFailure):
-    """Another rank failed and says why; this rank stops quietly with the same exit code."""
+    """Another rank failed and says why; this rank stops quietly with the same exit code. With the first
+    failing rank's sentence (`sentence`) it reads `rank 1 stopped: rank 0 failed: <sentence>`."""
 
     quiet = True
 
-    def __init__(self, exit_code: int, rank: int | None = None):
-        super().__init__(f"stopped because {'another rank' if rank is None else f'rank {rank}'} failed first "
-                         f"(exit code {exit_code}); its error says why")
-        self.exit_code = exit_code
+    def __init__(self, exit_code: int, rank: int | None = None, sentence: str | None = None):
+        who = "another rank" if rank is None else f"rank {rank}"
+        if sentence:
+            super().__init__(f"rank {_own_rank()} stopped: {who} failed: {sentence}")
+        else:
+            super().__init__(f"stopped because {who} failed first (exit code {exit_code}); its error says why")
+        self.exit_code, self.rank, self.sentence = exit_code, rank, sentence
 
 
 def report(error: BaseException, stream=None, own_line: bool = False) -> int:
@@ -76,47 +81,64 @@ def _store():
     return None
 
 
+def _own_rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except Exception:
+        pass
+    return int(os.environ.get("RANK") or 0)
+
+
+def claim_first(sentence: str, exit_code: int) -> bool | None:
+    """Record `sentence` as the job's first failure unless another rank did: True when this rank is the first,
+    False when it is not, None without a store (no process group). Peers whose collective then breaks read it
+    (`first_failure`) instead of quoting the transport error."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        if store.add(_failure_key() + "/count", 1) != 1:
+            return False
+        # The message and rank before the code: a rank that sees the code may look for them (other nodes print it).
+        store.set(_failure_key() + "/message", f"error: {sentence}")
+        store.set(_failure_key() + "/rank", str(_own_rank()))
+        store.set(_failure_key() + "/code", str(exit_code))
+        return True
+    except Exception:
+        return None
+
+
 def speaks(error: RunFailure) -> bool:
     """Whether this process prints `error`: not when quiet, and once per job (or per node before the
     process group exists: every rank then checks the same flags, and local rank 0 says it)."""
     if error.quiet:
         return False
-    store = _store()
-    if store is not None:
-        try:
-            first = store.add(_failure_key() + "/count", 1) == 1
-            if first:  # the message first: a rank that sees the code may look for it (other nodes print it)
-                store.set(_failure_key() + "/message", f"error: {error}")
-                store.set(_failure_key() + "/code", str(error.exit_code))
-            return first
-        except Exception:
-            pass
+    first = claim_first(str(error), error.exit_code)
+    if first is not None:
+        return first
     return os.environ.get("LOCAL_RANK", "0") in ("", "0")
 
 
-def peer_failure_code() -> int | None:
-    """The exit code a peer recorded before this process's collective broke, or None."""
-    store = _store()
-    if store is None:
-        return None
-    try:
-        key = _failure_key() + "/code"
-        return int(store.get(key)) if store.check([key]) else None
-    except Exception:
-        return None
-
-
-def peer_message(wait: float = 3.0) -> str | None:
-    """The sentence the rank that failed first said, from the job's store (it may still be writing it)."""
+def first_failure(wait: float = 0.0) -> PeerFailure | None:
+    """The failure the first failing rank recorded in the job's store (waiting up to `wait` s for it), as this
+    rank's quiet PeerFailure naming that rank and its sentence; None when no rank recorded one."""
     store = _store()
     if store is None:
         return None
     try:
         import datetime
 
-        key = _failure_key() + "/message"
-        store.wait([key], datetime.timedelta(seconds=wait))
-        return store.get(key).decode()
+        key = _failure_key()
+        if wait > 0:
+            store.wait([key + "/code"], datetime.timedelta(seconds=wait))
+        if not store.check([key + "/code"]):
+            return None
+        message = store.get(key + "/message").decode()
+        return PeerFailure(int(store.get(key + "/code")), int(store.get(key + "/rank")),
+                           message[len("error: "):] if message.startswith("error: ") else message)
     except Exception:  # it died before saying anything, or its store is gone
         return None
 
@@ -128,12 +150,16 @@ def write_error_file(error: RunFailure, said: bool):
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    if error.quiet and not getattr(error, "sentence", None):
+        # `settle` raised it the moment it saw the code: the first rank may still be publishing its sentence
+        error = first_failure(wait=3.0) or error
     message = str(error) if error.quiet else f"error: {error}"
     stamp = int(time.time()) + (0 if said else 2)
     data = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(stamp)}},
             "toolkit_said": said}  # toolkit.launch.quiet prints the sentence when no rank did
     if error.quiet:  # on another node than the rank that said it, toolkit launch repeats it once for this node
-        data["peer_message"] = peer_message()
+        sentence = getattr(error, "sentence", None)
+        data["peer_message"] = f"error: {sentence}" if sentence else None
     try:
         with open(path, "w") as f:
             json.dump(data, f)
@@ -175,9 +201,11 @@ def install_excepthook(own_line: bool = False):
         def hook(kind, value, traceback):
             if isinstance(value, RunFailure):
                 exit_for(value, hook.own_line)
-            code = peer_failure_code()
-            if code is not None:  # our collective broke because that peer left: it has said why
-                exit_for(PeerFailure(code), hook.own_line)
+            failure = first_failure()
+            if failure is not None:  # our collective broke because that peer left: it has said why
+                exit_for(failure, hook.own_line)
+            if issubclass(kind, Exception):  # a bug: its traceback follows; the peers its exit cuts off name it
+                claim_first(f"{kind.__name__}: {value} (its traceback is in its output)", 1)
             previous(kind, value, traceback)
 
         hook._toolkit, hook.own_line = True, False

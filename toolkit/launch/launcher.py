@@ -223,8 +223,8 @@ def run_plan(plan: LaunchPlan) -> int:
     if plan.agent_here:
         _run_agent_here(plan)
     for attempt in range(plan.restarts + 1):
-        code = _run_once(plan, {"TORCHELASTIC_RESTART_COUNT": str(attempt)} if plan.restarts else {})
-        if code in NOT_RESTARTED or attempt == plan.restarts:
+        code, stopped = _run_once(plan, {"TORCHELASTIC_RESTART_COUNT": str(attempt)} if plan.restarts else {})
+        if stopped or code in NOT_RESTARTED or attempt == plan.restarts:
             return code
         print(f"[toolkit] the run failed with exit code {code}; restart {attempt + 1} of {plan.restarts}.",
               file=sys.stderr, flush=True)
@@ -253,20 +253,36 @@ def _run_agent_here(plan: LaunchPlan) -> NoReturn:
     quiet.exit_now(quiet.main(plan.command[2:]))
 
 
-def _run_once(plan: LaunchPlan, extra_env: dict) -> int:
-    """Ctrl-C and SIGTERM go to the child; its exit code comes back."""
-    child = subprocess.Popen(quiet_command(plan.command), env={**os.environ, **plan.env, **extra_env})
+def _run_once(plan: LaunchPlan, extra_env: dict) -> tuple[int, bool]:
+    """Run the plan's command once; (its exit code, whether Ctrl-C or SIGTERM stopped it). The child runs in a
+    session of its own, as torchrun's workers do, so a terminal's Ctrl-C reaches it once: through here."""
+    from toolkit.launch.quiet import stopped_line
+
+    command = quiet_command(plan.command)
+    agent = command != plan.command  # toolkit.launch.quiet stops its workers and says the line itself
+    child, received = None, []
 
     def forward(signum, _frame):
-        child.send_signal(signum)
+        received.append(signum)
+        if child is not None:
+            # A script gets SIGTERM: while it still imports torch it then ends silently, where SIGINT would
+            # print a KeyboardInterrupt traceback; its training loop (run_guard) takes both alike.
+            child.send_signal(signum if agent else signal.SIGTERM)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        child = subprocess.Popen(command, env={**os.environ, **plan.env, **extra_env}, start_new_session=True)
+        if received:  # arrived while it started
+            forward(received.pop(), None)
         code = child.wait()
-        return 128 - code if code < 0 else code  # killed by signal N: the shell's 128 + N
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    code = 128 - code if code < 0 else code  # killed by signal N: the shell's 128 + N
+    if not received or agent or code in (0, 130):  # 130: run_guard stopped it and said at which step
+        return code, bool(received)
+    print(stopped_line(received[0]), file=sys.stderr, flush=True)
+    return 128 + received[0], True
 
 
 def slurm_overrides(profile: Profile, env: LaunchEnv) -> tuple[dict, list[str]]:
@@ -290,6 +306,16 @@ def slurm_overrides(profile: Profile, env: LaunchEnv) -> tuple[dict, list[str]]:
 
 def launch(args) -> int:
     """Entry point of `toolkit launch` (args from `toolkit.cli`)."""
+    try:
+        return _launch(args)
+    except KeyboardInterrupt:  # before the agent or the child took over Ctrl-C (importing torch takes seconds)
+        from toolkit.launch.quiet import stopped_line
+
+        print(stopped_line(signal.SIGINT), file=sys.stderr, flush=True)
+        return 130
+
+
+def _launch(args) -> int:
     profile = load_profile(args.config_file)
     overrides, notes = slurm_overrides(profile, read_launch_env())
     for flag in ("num_processes", "machine_rank", "main_process_port"):

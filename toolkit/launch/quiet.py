@@ -8,6 +8,11 @@ ChildFailedError with a 20-line report and their own traceback. Under `toolkit l
 already said why in one sentence (toolkit/errors.py), so this runs the same launcher in-process with its
 logs silenced, and exits with the failing worker's own code (2 for a user error). A worker that failed
 without saying why (a crash, a signal) gets one line naming its rank and exit code.
+
+Ctrl-C (or SIGTERM) is one line and exit 130 (143) at any moment. The agent stops the workers with SIGTERM,
+not the SIGINT it would forward: a worker still importing torch then ends without a KeyboardInterrupt
+traceback, and one in its training loop (run_guard) saves at its next step and says `interrupted at step N`.
+When no worker said that, this says the one line itself.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import signal
 import sys
+import tempfile
 
 # Importing these creates the loggers that print the OMP_NUM_THREADS banner, "Sending process N closing
 # signal" and "failed (exitcode: 2)" on every failure; the worker's own sentence is all the user needs.
@@ -51,7 +58,62 @@ def failure_code(failed) -> int:
     return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
 
 
+STOP_NOTE = "TOOLKIT_STOP_NOTE"  # a file: a worker that stopped at a step boundary and said so writes its line there
+
+
+def note_stop(line: str):
+    """Called by a worker that stopped on Ctrl-C/SIGTERM at a step boundary and said `line`: its `toolkit launch`
+    then adds nothing (torchelastic does not hand the launcher its workers' exit codes when it stops them)."""
+    path = os.environ.get(STOP_NOTE)
+    if path:
+        try:
+            with open(path, "a") as f:
+                f.write(line + "\n")
+        except OSError:
+            pass
+
+
+def stopped_line(signum: int) -> str:
+    """What `toolkit launch` says when a signal stopped the run before any worker said how far it got."""
+    how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    return f"{how} before the run reached a step it saves at: nothing new was saved."
+
+
+class Interrupted(BaseException):
+    """Ctrl-C reached the launcher. A BaseException: nothing in the agent catches it, and its `finally` stops the
+    workers with SIGTERM."""
+
+
+def _interrupt(_signum, _frame):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # once: the agent is now stopping the workers
+    raise Interrupted
+
+
+def _stopped(signum: int, note: str) -> int:
+    with open(note) as f:
+        said = f.read().strip()
+    if not said:
+        print(stopped_line(signum), file=sys.stderr, flush=True)
+    return 128 + signum
+
+
 def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, _interrupt)  # first: importing torch takes seconds
+    # torchrun's --signals-to-handle (read from PET_SIGNALS_TO_HANDLE, also under accelerate launch): its handler
+    # would forward SIGINT itself; it keeps SIGTERM, SIGHUP and SIGQUIT.
+    os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGHUP,SIGQUIT")
+    fd, note = tempfile.mkstemp(prefix="toolkit-stop-")
+    os.close(fd)
+    os.environ[STOP_NOTE] = note  # the workers inherit it
+    try:
+        return _run_agent(argv, note)
+    except Interrupted:
+        return _stopped(signal.SIGINT, note)
+    finally:
+        os.unlink(note)
+
+
+def _run_agent(argv: list[str], note: str) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -62,8 +124,8 @@ def main(argv: list[str]) -> int:
         importlib.import_module(module).main()
     except ChildFailedError as failed:
         return failure_code(failed)
-    except SignalException as stopped:  # Ctrl-C or SIGTERM: the agent stopped the workers, which said what they saved
-        return 128 + int(stopped.sigval)
+    except SignalException as stopped:  # SIGTERM: the agent stopped the workers, which said what they saved
+        return _stopped(int(stopped.sigval), note)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 1
     return 0

@@ -6,7 +6,9 @@
   left on the device) and `guard.check()` reads it once backward is queued (the micro-step's one host sync),
   so all ranks agree: a NaN/inf loss stops the run in one sentence before its optimizer step; under
   --skip-nonfinite the loss must be read before backward, and a non-finite one skips that step on every rank;
-- an error a collective raises because another rank died becomes one sentence (exit 1).
+- an error a collective raises because another rank died names that rank's own sentence when it published
+  one (`rank 1 stopped: rank 0 failed: ...`, said by that rank, this one quiet with its exit code), else one
+  sentence of its own (exit 1), never the transport error's text.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import signal
 
 import torch
 
-from toolkit.errors import RunFailure
+from toolkit.errors import RunFailure, first_failure
+from toolkit.launch.quiet import note_stop
 
 
 class StopRequest:
@@ -91,7 +94,9 @@ class RunGuard:
     def stop_if_asked(self):
         """After the step's checkpoint: exit 130 on every rank when any rank was asked to stop."""
         if self.stop_requested:
-            self.run.say(f"interrupted at step {self.run.step}: checkpoint saved; resume with --resume auto")
+            line = f"interrupted at step {self.run.step}: checkpoint saved; resume with --resume auto"
+            self.run.say(line)
+            note_stop(line)  # every rank: toolkit launch then adds no line of its own, on any node
             raise SystemExit(130)
 
 
@@ -103,7 +108,9 @@ def run_guard(run):
             yield RunGuard(run, stop)
         except Exception as error:
             if is_peer_failure(error):
-                raise RunFailure(peer_failure_message(error, run.accelerator, run.step, run.cfg.timeout)) from None
+                # The failing rank publishes its sentence before it exits, and its exit is what broke ours.
+                raise first_failure(wait=1.0) or RunFailure(
+                    peer_failure_message(run.accelerator, run.step, run.cfg.timeout)) from None
             raise
         finally:
             run.close_progress()
@@ -121,8 +128,8 @@ def is_peer_failure(error: BaseException) -> bool:
                             "Broken pipe", "NCCL communicator was aborted", "ProcessGroupGloo"))
 
 
-def peer_failure_message(error: BaseException, accelerator, step: int, timeout: float) -> str:
-    first_line = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-    return (f"rank {accelerator.process_index} lost contact with the other ranks at step {step} (a peer died or did "
-            f"not answer within {timeout:g} s: {first_line[:160]}); checkpoints on disk are intact, "
-            "relaunch with --resume auto.")
+def peer_failure_message(accelerator, step: int, timeout: float) -> str:
+    """A peer gone without a word (killed, frozen, crashed in C++): the transport's own error text only names
+    a socket, so it is left out."""
+    return (f"rank {accelerator.process_index} lost contact with the other ranks at step {step}: a peer died or did "
+            f"not answer within {timeout:g} s; checkpoints on disk are intact, relaunch with --resume auto.")
