@@ -111,7 +111,7 @@ PARITY, FLAGS, API = "tests/test_parity.py", "tests/test_flags.py", "tests/test_
 MUTATIONS = {
     "resume-rewrites-summary": Mutation(
         "toolkit.train.run", _resume_rewrites_summary,
-        ("tests/test_recipe.py::test_rerunning_a_finished_run_keeps_its_result",),
+        ("tests/test_train_parts.py::test_resuming_a_finished_run_reports_its_summary_and_loads_and_writes_nothing",),
         "records: --resume of a finished run trains nothing yet rewrites summary.json (its throughput and wall time lost)"),
     "counters-restart": Mutation(
         "toolkit.train.records", _counters_restart,

@@ -2,6 +2,7 @@
 the run's schedule and position, its state across world sizes, the guard's loss check and stop, and
 evaluation metrics through gather_for_metrics. The recipes run them under every launcher in the other test files."""
 
+import json
 import os
 import signal
 from dataclasses import replace
@@ -11,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import toolkit
+from toolkit.engines.state_folder import seal
 from toolkit.errors import RunFailure, UserError
 from toolkit.train import EvalMetrics, TrainingConfig, TrainingRun, apply_preset, check_config, plan_batches, run_guard
 
@@ -85,6 +87,29 @@ def test_a_resume_continues_the_records_clock_and_keeps_every_attempt(accelerato
     assert earlier["wall_time_s"] == 100.0 and (this["from_step"], this["to_step"]) == (10, 20)
     assert summary["wall_time_s"] == pytest.approx(100.0 + this["wall_time_s"], abs=1e-3)
     assert 40.0 <= summary["images_per_s"] <= this["images_per_s"]  # both attempts' images over both's time
+
+
+def test_resuming_a_finished_run_reports_its_summary_and_loads_and_writes_nothing(accelerator, tmp_path, capsys):
+    """The checkpoint at a run's last step, with summary.json reporting that step: the resume has nothing to load
+    (resume_folder gives None) and hands back the summary as it stands, saying so once."""
+    plan = plan_batches(4, 1, 4)
+    done = TrainingRun(accelerator, config(tmp_path, epochs=1), plan, batches_per_epoch=3)
+    for _ in done.epochs():
+        for _ in done.batches(list(range(3))):
+            done.step_done(loss=1.0, lr=0.1)
+    folder = tmp_path / "step-3"
+    folder.mkdir()
+    (folder / "state.json").write_text(json.dumps(done.state_json()))
+    seal(folder, {})  # its manifest: a complete checkpoint folder
+    done.finish({"accuracy": 0.75, "loss": 0.5, "count": 8})
+    records = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()}
+    capsys.readouterr()
+    again = TrainingRun(accelerator, config(tmp_path, epochs=1, resume=str(folder)), plan, batches_per_epoch=3)
+    assert again.resume_folder() is None
+    assert (again.finished["steps"], again.finished["test_accuracy"]) == (3, 0.75)
+    assert capsys.readouterr().out.startswith(f"{tmp_path / 'run'} already finished at step 3 (checkpoint {folder}): "
+                                              "test accuracy 0.7500")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()} == records
 
 
 def test_a_second_run_in_a_used_output_dir_is_refused(accelerator, tmp_path):
