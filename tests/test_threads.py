@@ -92,11 +92,10 @@ def test_each_of_two_ranks_runs_its_share_of_the_cores():
     """A real 2-process launch with no OMP_NUM_THREADS (torchrun would set 1: an empty value keeps it from it):
     each rank runs max(1, cores // 2) threads, from LOCAL_WORLD_SIZE and its own affinity."""
     proc = run(TORCHRUN + ["--master_port", free_port(), SCRIPTS / "threads_probe.py"], timeout=120, OMP_NUM_THREADS="")
-    ranks = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("THREADS "):
-            fields = dict(re.findall(r"(\w+)=(\S+)", line.split(" says=")[0]))
-            ranks[int(fields["rank"])] = (int(fields["count"]), int(fields["torch"]), int(fields["cores"]))
+    ranks = {}  # the two ranks' lines may interleave on the shared stdout: each is found by its shape
+    for rank, count, actual, available in re.findall(r"THREADS rank=(\d+) count=(\d+) torch=(\d+) cores=(\d+) ",
+                                                     proc.stdout):
+        ranks[int(rank)] = (int(count), int(actual), int(available))
     assert sorted(ranks) == [0, 1], proc.stdout
     for count, actual, available in ranks.values():
         assert count == actual == max(1, available // 2), ranks
