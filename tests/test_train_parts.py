@@ -73,7 +73,7 @@ def test_a_resume_continues_the_records_clock_and_keeps_every_attempt(accelerato
     plan = plan_batches(4, 1, 4)
     saved = {"step": 10, "epoch": 1, "samples_in_epoch": 0, "world_size": 1, "config": {"model": "tiny"},
              "attempts": [{"from_step": 0, "to_step": 10, "engine": "single", "world_size": 1, "images_per_s": 40.0,
-                           "warmup_s": 1.0, "wall_time_s": 100.0}]}
+                           "warmup_s": 1.0, "wall_time_s": 100.0, "warnings": ["[toolkit] warning: an earlier one"]}]}
     run = TrainingRun(accelerator, config(tmp_path, epochs=2, resume="auto"), plan, batches_per_epoch=10)
     run._resumed_from = "step-10"
     run.load_state_dict(saved)
@@ -87,6 +87,7 @@ def test_a_resume_continues_the_records_clock_and_keeps_every_attempt(accelerato
     assert earlier["wall_time_s"] == 100.0 and (this["from_step"], this["to_step"]) == (10, 20)
     assert summary["wall_time_s"] == pytest.approx(100.0 + this["wall_time_s"], abs=1e-3)
     assert 40.0 <= summary["images_per_s"] <= this["images_per_s"]  # both attempts' images over both's time
+    assert summary["warnings"] == ["[toolkit] warning: an earlier one"]  # every attempt's, this one had none
 
 
 def test_resuming_a_finished_run_reports_its_summary_and_loads_and_writes_nothing(accelerator, tmp_path, capsys):

@@ -188,7 +188,8 @@ class TrainingRun:
         meter = self.throughput
         return {"from_step": self.first_step, "to_step": self.step, "engine": self.accelerator.name,
                 "world_size": self.accelerator.num_processes, "images_per_s": meter.images_per_s,
-                "warmup_s": round(meter.warmup_s, 3), "wall_time_s": round(time.time() - self.records.opened, 3)}
+                "warmup_s": round(meter.warmup_s, 3), "wall_time_s": round(time.time() - self.records.opened, 3),
+                "warnings": list(self.warnings)}
 
     def resume_folder(self) -> Path | None:
         """The checkpoint to pass to `accelerator.load_state`: --resume PATH, --resume auto (the latest in
@@ -284,7 +285,9 @@ class TrainingRun:
             wall_time_s=round(sum(a["wall_time_s"] for a in attempts), 3), attempts=attempts,
             world_size=accelerator.num_processes, global_batch_size=plan.global_batch, micro_batch_size=plan.micro_batch,
             gradient_accumulation=plan.accumulation, mixed_precision=accelerator.mixed_precision,
-            skipped_steps=getattr(accelerator, "skipped_steps", 0), warnings=self.warnings, **extra, config=self.config)
+            skipped_steps=getattr(accelerator, "skipped_steps", 0),
+            warnings=list(dict.fromkeys(line for a in attempts for line in a.get("warnings", []))), **extra,
+            config=self.config)
         self.records.close()
         skipped, rate = summary["skipped_steps"], summary["images_per_s"]
         accelerator.print(f"done: test accuracy {summary['test_accuracy']:.4f}"
