@@ -113,6 +113,14 @@ def test_resuming_a_finished_run_reports_its_summary_and_loads_and_writes_nothin
     assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()} == records
 
 
+def test_a_short_schedule_is_warned_about_at_start_unless_max_steps_cut_it_short_on_purpose(accelerator, tmp_path):
+    plan = plan_batches(64, 1)
+    short = TrainingRun(accelerator, config(tmp_path, epochs=1, warmup=0.0), plan, batches_per_epoch=10)
+    assert len(short.warnings) == 1 and "10 optimizer steps at lr 0.04 (global batch 64) with no warm-up" in short.warnings[0]
+    smoke = TrainingRun(accelerator, config(tmp_path, epochs=15, warmup=0.0, max_steps=3, resume="auto"), plan, 10)
+    assert smoke.total_steps == 3 and smoke.warnings == []  # a smoke test: its evaluations are still watched
+
+
 def test_a_second_run_in_a_used_output_dir_is_refused(accelerator, tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")

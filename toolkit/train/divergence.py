@@ -102,10 +102,12 @@ class DivergenceWatch:
     """
 
     def __init__(self, total_steps: int, lr: float, global_batch: int, warmup: float, classes: int | None = None,
-                 say: Callable[[str], None] | None = None):
+                 say: Callable[[str], None] | None = None, check_schedule: bool = True):
         self.total_steps, self.lr, self.global_batch, self.warmup = total_steps, lr, global_batch, warmup or 0.0
         self.classes, self.say = classes, say or (lambda line: None)
-        self.start_warning = schedule_warning(total_steps, lr, global_batch, self.warmup)
+        # check_schedule=False: a run cut short on purpose (--max-steps, a smoke test) is not warned at start;
+        # its evaluations still are.
+        self.start_warning = schedule_warning(total_steps, lr, global_batch, self.warmup) if check_schedule else None
         self.warnings: list[str] = [self.start_warning] if self.start_warning else []
         self._said = False  # one line a run: every symptom names the same likely cause
         self._previous_loss: float | None = None

@@ -70,7 +70,8 @@ class TrainingRun:
         # Loud warnings for a run that trains to nothing with exit 0: a schedule too short to start at the full lr
         # (said by `run.divergence.started(classes)` after the start line) and evaluations that diverge or stay at
         # chance; `warnings` holds those lines (the start-time one from here on), for the summary.
-        self.divergence = DivergenceWatch(self.total_steps, cfg.lr, plan.global_batch, cfg.warmup, say=self.say)
+        self.divergence = DivergenceWatch(self.total_steps, cfg.lr, plan.global_batch, cfg.warmup, say=self.say,
+                                          check_schedule=self.total_steps == cfg.epochs * self.steps_per_epoch)
         self.warnings = self.divergence.warnings
 
     @property
