@@ -107,8 +107,35 @@ def _counters_restart(records):
     records.RunRecorder.continue_from = lambda self, elapsed_s: None  # a resume's clock starts again at 0
 
 
+def _files_keep_tempfile_mode(weights):
+    weights.honour_umask = lambda *paths: None  # safetensors' 0600 temporary file stays the checkpoint's weights
+
+
+def _threads_left_to_torch(engines):
+    from toolkit.launch.env import threads_per_process
+
+    engines.set_threads = lambda env: threads_per_process(env, current=0)  # said, never set
+
+
+def _abbreviations_taken(config):
+    init = config.StrictParser.__init__
+    config.StrictParser.__init__ = lambda self, *args, **kwargs: init(self, *args, **{**kwargs, "allow_abbrev": True})
+
+
 PARITY, FLAGS, API = "tests/test_parity.py", "tests/test_flags.py", "tests/test_engine_api.py"
 MUTATIONS = {
+    "files-keep-tempfile-mode": Mutation(
+        "toolkit.engines.weights", _files_keep_tempfile_mode,
+        ("tests/test_checkpoint.py::test_every_file_a_save_writes_has_the_mode_the_umask_gives",),
+        "shared storage: a checkpoint's weights keep safetensors' 0600, unreadable to teammates"),
+    "threads-left-to-torch": Mutation(
+        "toolkit.engines", _threads_left_to_torch,
+        ("tests/test_threads.py::test_build_accelerator_sets_the_count_and_says_it",),
+        "threads: the start line names a count torch was never given (N processes x all cores)"),
+    "abbreviations-taken": Mutation(
+        "toolkit.config", _abbreviations_taken,
+        (f"{FLAGS}::test_an_abbreviated_flag_is_refused_in_one_sentence_naming_the_flag",),
+        "messages: --epoch is silently taken as --epochs"),
     "resume-rewrites-summary": Mutation(
         "toolkit.train.run", _resume_rewrites_summary,
         ("tests/test_train_parts.py::test_resuming_a_finished_run_reports_its_summary_and_loads_and_writes_nothing",),
