@@ -26,25 +26,22 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from toolkit.train.optim import warmup_linear_decay
+
 GROWTH = 10.0  # an order of magnitude: a test loss this many times the previous one (or chance level) diverged
 CHANCE_SIGMAS = 3.0  # accuracy within this many binomial standard errors above 1/classes counts as chance
 MIN_STEPS_WITHOUT_WARMUP = 300  # a run shorter than this that starts at its full lr is warned about at start
-MIN_WARMUP_STEPS = 2  # optim.py's warm-up of 1 step runs step 0 at the full lr: that is no warm-up
 SUGGESTED_WARMUP = 0.1
 
 
-def warmup_steps(total_steps: int, warmup: float) -> int:
-    """Optimizer steps below the full lr in `toolkit.train.optim`'s schedules (int(total x fraction)); fewer
-    than 2 means the first step already runs at the full lr.
-
-    >>> warmup_steps(15, 0.0), warmup_steps(69, 0.1), warmup_steps(3, 0.2)
-    (0, 6, 0)
-    """
-    return int(total_steps * warmup)
-
-
 def starts_at_full_lr(total_steps: int, warmup: float) -> bool:
-    return warmup_steps(total_steps, warmup) < MIN_WARMUP_STEPS
+    """Whether the run's first optimizer step already runs at its full lr, by the schedule itself (a warm-up
+    fraction that rounds to one step is none).
+
+    >>> starts_at_full_lr(15, 0.0), starts_at_full_lr(69, 0.1), starts_at_full_lr(3, 0.2)
+    (True, False, True)
+    """
+    return warmup_linear_decay(total_steps, warmup)(0) >= 1.0
 
 
 def suggestion(total_steps: int, global_batch: int, warmup: float) -> str:
