@@ -59,6 +59,14 @@ def build_loaders(cfg, data, accelerator, micro_batch: int):
     return train, accelerator.prepare(DataLoader(val, micro_batch, num_workers=workers))
 
 
+def image_model(cfg, classes: int, say):
+    """--model with `classes` outputs, from --weights when given (a new head when the class count differs)."""
+    model = build_image_model(cfg.model, classes, cfg.image_size)
+    if cfg.weights:
+        start_from_weights(model, cfg.weights, say)
+    return model
+
+
 @torch.no_grad()
 def evaluate(model, loader, accelerator) -> dict:
     """Accuracy and mean loss over a prepared loader: gather_for_metrics drops the samples the sampler repeated
@@ -89,10 +97,7 @@ def main(argv=None):
         data = open_images(cfg.data_dir, cache_dir=cfg.output_dir)
     train_loader, val_loader = build_loaders(cfg, data, accelerator, plan.micro_batch)
 
-    model = build_image_model(cfg.model, len(data.classes), cfg.image_size)
-    if cfg.weights:
-        start_from_weights(model, cfg.weights, accelerator.print)
-    model, average_bn = adapt_model(model, cfg, accelerator)
+    model, average_bn = adapt_model(image_model(cfg, len(data.classes), accelerator.print), cfg, accelerator)
     optimizer = torch.optim.SGD(decay_groups(model, cfg.weight_decay), lr=cfg.lr, momentum=0.9, nesterov=True)
     model, optimizer = accelerator.prepare(model, optimizer)
     run = TrainingRun(accelerator, cfg, plan, batches_per_epoch=len(train_loader))
