@@ -41,6 +41,10 @@ class Config(TrainingConfig):  # the shared training flags (toolkit/train/config
     image_size: int = field(default=224, metadata={"help": "pixels per side the model sees"})
     weights: str | None = field(default=None, metadata={"help": "local state dict to start from (.safetensors "
                                 "or a torchvision .pth); a new classifier head when the class count differs"})
+    freeze_backbone: bool = field(default=False, metadata={"help": "train the classifier head alone (the backbone's "
+                                  "weights fixed, as from --weights)"})
+    head_lr: float | None = field(default=None, metadata={"help": "the classifier head's peak learning rate "
+                                  "(default: --lr, the same as the backbone's)"})
     augment: str = field(default="crop-flip", metadata={"choices": list(AUGMENTATIONS),
                          "help": "RandomResizedCrop + flip, RandomResizedCrop, or resize + centre crop"})
     workers: int | None = field(default=None, metadata={"help": "decoding workers per process "

@@ -13,6 +13,8 @@ from toolkit.engines import ENGINES
 from toolkit.errors import UserError
 
 CHECKPOINT_FORMATS = ("full", "sharded")
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = ("linear", "cosine", "constant")
 
 
 @dataclass
@@ -30,8 +32,21 @@ class TrainingConfig:
     label_smoothing: float | None = field(default=None, metadata={"help": "cross-entropy label smoothing; from the preset"})
     epochs: int | None = field(default=None, metadata={"help": "passes over the training set; from the preset"})
     max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
-    clip_grad_norm: float | None = field(default=None, metadata={"help": "clip the global gradient norm to this "
-                                         "(after unscaling under fp16); default: the preset's (none for images)"})
+    optimizer: str | None = field(default=None, metadata={"choices": list(OPTIMIZERS), "help": "sgd (Nesterov "
+                                  "momentum 0.9) or adamw (decoupled weight decay); from the preset"})
+    schedule: str | None = field(default=None, metadata={"choices": list(SCHEDULES), "help": "the lr after warm-up: "
+                                 "linear or cosine decay, or constant; from the preset"})
+    clip_grad_norm: float | None = field(default=None, metadata={"help": "clip the global gradient norm to this once "
+                                         "per optimizer step (after unscaling under fp16; the norm before clipping "
+                                         "is logged as grad_norm); default: the preset's (none for images)"})
+    ema_decay: float | None = field(default=None, metadata={"help": "keep an exponential moving average of the "
+                                    "weights, updated once per optimizer step, evaluated and saved beside them "
+                                    "(e.g. 0.999); default: none"})
+    activation_checkpointing: bool = field(default=False, metadata={"help": "recompute each block's activations in "
+                                           "backward instead of keeping them (less memory, ~1/3 more compute)"})
+    keep_best: str | None = field(default=None, metadata={"choices": ["test_accuracy", "test_loss"], "help": "also "
+                                  "keep the checkpoint with the best value of this metric (beside the last --keep); "
+                                  "default: none"})
     sync_bn: bool = field(default=False, metadata={"help": "synchronise BatchNorm statistics across ranks"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model"})
     channels_last: bool = field(default=False, metadata={"help": "NHWC memory format (faster on tensor cores)"})
@@ -69,6 +84,8 @@ def check_config(cfg: TrainingConfig) -> TrainingConfig:
         raise UserError("--weight-decay must be at least 0, --warmup and --label-smoothing in [0, 1).")
     if cfg.clip_grad_norm is not None and cfg.clip_grad_norm <= 0:
         raise UserError(f"--clip-grad-norm must be positive, not {cfg.clip_grad_norm}.")
+    if cfg.ema_decay is not None and not 0 < cfg.ema_decay < 1:
+        raise UserError(f"--ema-decay must be in (0, 1), such as 0.999, not {cfg.ema_decay}.")
     if cfg.resume not in (None, "auto") and not Path(cfg.resume).exists():
         raise UserError(f"--resume {cfg.resume}: that path does not exist; pass a checkpoint folder or 'auto'.")
     return cfg
