@@ -30,9 +30,9 @@ import toolkit
 from toolkit.data import DATASET_CHOICES, load_data
 from toolkit.data.memory import AUGMENTATIONS, MemoryLoader, build_torch_loader, normalize
 from toolkit.models.nets import MODELS, build_model
-from toolkit.train import (EvalMetrics, TrainingConfig, TrainingRun, adapt_model, apply_preset,
-                           average_batchnorm_stats, check_config, decay_groups, plan_batches, run_guard,
-                           warmup_linear_decay)
+from toolkit.train import (EvalMetrics, TrainingConfig, TrainingRun, WeightEMA, adapt_model, apply_preset,
+                           average_batchnorm_stats, build_optimizer, check_config, decay_groups, lr_schedule,
+                           plan_batches, run_guard)
 
 
 @dataclass
@@ -61,15 +61,19 @@ def build_loaders(cfg, data, accelerator, micro_batch: int):
 
 
 @torch.no_grad()
-def evaluate(model, loader, accelerator) -> dict:
+def evaluate(model, loader, accelerator, ema=None) -> dict:
     """Accuracy and mean loss over a prepared loader: gather_for_metrics drops the samples the sampler repeated
-    to even out the last batch, so every image counts once on any world size."""
+    to even out the last batch, so every image counts once on any world size. With --ema-decay, the averaged
+    weights' figures too, under "ema"."""
     model.eval()
     metrics = EvalMetrics()
     for inputs, targets in loader:
         metrics.update(*accelerator.gather_for_metrics((model(inputs), targets)))
     model.train()
-    return metrics.compute()
+    if ema is None:
+        return metrics.compute()
+    with ema.swapped():
+        return {**metrics.compute(), "ema": evaluate(model, loader, accelerator)}
 
 
 def main(argv=None):
@@ -86,12 +90,13 @@ def main(argv=None):
     train_loader, test_loader = build_loaders(cfg, data, accelerator, plan.micro_batch)
 
     model, average_bn = adapt_model(build_model(cfg.model, data.num_classes), cfg, accelerator)
-    optimizer = torch.optim.SGD(decay_groups(model, cfg.weight_decay), lr=cfg.lr, momentum=0.9, nesterov=True)
+    optimizer = build_optimizer(cfg.optimizer, decay_groups(model, cfg.weight_decay), lr=cfg.lr)  # sgd or adamw
     model, optimizer = accelerator.prepare(model, optimizer)
     run = TrainingRun(accelerator, cfg, plan, batches_per_epoch=len(train_loader))
     # Stepped once per optimizer step below (a prepared one ticks once per process), saved with the state.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_linear_decay(run.total_steps, cfg.warmup))
-    accelerator.register_for_checkpointing(scheduler, run)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg.schedule, run.total_steps, cfg.warmup))
+    ema = WeightEMA(model, cfg.ema_decay, accelerator) if cfg.ema_decay else None  # --ema-decay: averaged weights
+    accelerator.register_for_checkpointing(scheduler, run, *([ema] if ema else []))
     if (folder := run.resume_folder()) is not None:
         accelerator.load_state(folder)  # weights, optimizer, schedule, every rank's RNG and the run's position
     if run.finished:  # --resume of a run that had ended: its summary.json stands, nothing is trained or rewritten
@@ -108,7 +113,7 @@ def main(argv=None):
             average_batchnorm_stats(model, accelerator)
         run.checkpoint_saved(accelerator.save_state(run.checkpoint_folder()))
 
-    metrics = None
+    metrics, norm = None, {}
     with run_guard(run) as guard:  # Ctrl-C/SIGTERM: a checkpoint at the next step, then exit 130
         for epoch in run.epochs():
             model.train()
@@ -118,21 +123,24 @@ def main(argv=None):
                     if guard.should_backward(loss):  # False on every rank when --skip-nonfinite skips this step
                         accelerator.backward(loss)
                     guard.check()  # every rank's loss, read once backward is queued: a NaN stops before the step
-                    if accelerator.sync_gradients and cfg.clip_grad_norm:
-                        accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+                    if accelerator.sync_gradients and cfg.clip_grad_norm:  # the whole step's gradient, once
+                        norm = {"grad_norm": accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm).item()}
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                 if accelerator.sync_gradients:  # an optimizer step is complete
                     scheduler.step()
-                    accelerator.log(run.step_done(lr=scheduler.get_last_lr()[0], **guard.step_done()), step=run.step)
+                    if ema:
+                        ema.update()
+                    accelerator.log(run.step_done(lr=scheduler.get_last_lr()[0], **norm, **guard.step_done()),
+                                    step=run.step)
                     if guard.stop_requested or run.checkpoint_due():
                         save_checkpoint()
                     guard.stop_if_asked()
             save_checkpoint()
             if run.evaluation_due():
-                metrics = evaluate(model, test_loader, accelerator)
+                metrics = evaluate(model, test_loader, accelerator, ema)
                 accelerator.log(run.evaluated(metrics), step=run.step)
-    summary = run.finish(metrics or evaluate(model, test_loader, accelerator))
+    summary = run.finish(metrics or evaluate(model, test_loader, accelerator, ema))
     accelerator.end_training()
     return summary
 

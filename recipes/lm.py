@@ -22,8 +22,8 @@ from torch.utils.data import DataLoader
 import toolkit
 from toolkit.data.text import GENESIS, WindowLoader, load_text, window_dataset
 from toolkit.models.gpt import GPT_SIZES, build_gpt
-from toolkit.train import (EvalMetrics, TrainingConfig, TrainingRun, apply_preset, check_config, decay_groups,
-                           plan_batches, run_guard, warmup_cosine)
+from toolkit.train import (EvalMetrics, TrainingConfig, TrainingRun, WeightEMA, apply_preset, build_optimizer,
+                           check_config, decay_groups, lr_schedule, plan_batches, run_guard)
 
 
 @dataclass
@@ -36,15 +36,19 @@ class Config(TrainingConfig):  # the shared training flags (toolkit/train/config
 
 
 @torch.no_grad()
-def evaluate(model, loader, accelerator) -> dict:
+def evaluate(model, loader, accelerator, ema=None) -> dict:
     """Accuracy and mean loss over a prepared loader: gather_for_metrics drops the samples the sampler repeated
-    to even out the last batch, so every sequence counts once on any world size."""
+    to even out the last batch, so every sequence counts once on any world size. With --ema-decay, the averaged
+    weights' figures too, under "ema"."""
     model.eval()
     metrics = EvalMetrics()
     for inputs, targets in loader:
         metrics.update(*accelerator.gather_for_metrics((model(inputs), targets)))
     model.train()
-    return metrics.compute()
+    if ema is None:
+        return metrics.compute()
+    with ema.swapped():
+        return {**metrics.compute(), "ema": evaluate(model, loader, accelerator)}
 
 
 def main(argv=None):
@@ -66,13 +70,15 @@ def main(argv=None):
     model = build_gpt(cfg.model, text.vocab_size, block_size=block_size)
     if cfg.compile:
         model = torch.compile(model)
-    optimizer = torch.optim.AdamW(decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.99))
+    # adamw (the preset's; beta2 0.99 as nanoGPT's small character model) or sgd
+    optimizer = build_optimizer(cfg.optimizer, decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.99))
     model, optimizer = accelerator.prepare(model, optimizer)
     run = TrainingRun(accelerator, cfg, plan, batches_per_epoch=len(train_loader), unit="sequences")
     run.config["vocabulary"] = text.chars  # saved with every checkpoint: what each output means
     # Stepped once per optimizer step below (a prepared one ticks once per process), saved with the state.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(run.total_steps, cfg.warmup))
-    accelerator.register_for_checkpointing(scheduler, run)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg.schedule, run.total_steps, cfg.warmup))
+    ema = WeightEMA(model, cfg.ema_decay, accelerator) if cfg.ema_decay else None  # --ema-decay: averaged weights
+    accelerator.register_for_checkpointing(scheduler, run, *([ema] if ema else []))
     if (folder := run.resume_folder()) is not None:
         accelerator.load_state(folder)  # weights, optimizer, schedule, every rank's RNG and the run's position
     if run.finished:  # --resume of a run that had ended: its summary.json stands, nothing is trained or rewritten
@@ -85,7 +91,7 @@ def main(argv=None):
                       f"{accelerator.threads}")
     run.divergence.started(classes=text.vocab_size)  # one line if the schedule is too short to start at full lr
 
-    metrics = None
+    metrics, norm = None, {}
     with run_guard(run) as guard:  # Ctrl-C/SIGTERM: a checkpoint at the next step, then exit 130
         for epoch in run.epochs():
             model.train()
@@ -96,21 +102,24 @@ def main(argv=None):
                     if guard.should_backward(loss):  # False on every rank when --skip-nonfinite skips this step
                         accelerator.backward(loss)
                     guard.check()  # every rank's loss, read once backward is queued: a NaN stops before the step
-                    if accelerator.sync_gradients and cfg.clip_grad_norm:
-                        accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+                    if accelerator.sync_gradients and cfg.clip_grad_norm:  # the whole step's gradient, once
+                        norm = {"grad_norm": accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm).item()}
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                 if accelerator.sync_gradients:  # an optimizer step is complete
                     scheduler.step()
-                    accelerator.log(run.step_done(lr=scheduler.get_last_lr()[0], **guard.step_done()), step=run.step)
+                    if ema:
+                        ema.update()
+                    accelerator.log(run.step_done(lr=scheduler.get_last_lr()[0], **norm, **guard.step_done()),
+                                    step=run.step)
                     if guard.stop_requested or run.checkpoint_due():
                         run.checkpoint_saved(accelerator.save_state(run.checkpoint_folder()))
                     guard.stop_if_asked()
             run.checkpoint_saved(accelerator.save_state(run.checkpoint_folder()))
             if run.evaluation_due():
-                metrics = evaluate(model, val_loader, accelerator)
+                metrics = evaluate(model, val_loader, accelerator, ema)
                 accelerator.log(run.evaluated(metrics), step=run.step)
-    summary = run.finish(metrics or evaluate(model, val_loader, accelerator), vocab_size=text.vocab_size)
+    summary = run.finish(metrics or evaluate(model, val_loader, accelerator, ema), vocab_size=text.vocab_size)
     accelerator.end_training()
     return summary
 

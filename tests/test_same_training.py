@@ -50,12 +50,17 @@ def test_presets_fill_what_flags_leave_unset_and_scale_lr_linearly_with_the_glob
     tiny = PRESETS["tiny"]
     cfg, rule = apply_preset(Config(model="tiny"))
     assert (cfg.global_batch_size, cfg.lr, cfg.epochs, cfg.weight_decay) == (64, 0.04, 15, 5e-4)
-    assert rule == "lr from the tiny preset"
+    assert rule == "sgd, linear schedule; lr from the tiny preset"
     scaled, rule = apply_preset(Config(model="tiny", global_batch_size=256))
     assert scaled.lr == pytest.approx(tiny.lr * 256 / 64) and scaled.epochs == tiny.epochs
-    assert rule == "lr 0.16 = 0.04 x 256/64, linear scaling (Goyal et al. 2017)"
+    assert rule == "sgd, linear schedule; lr 0.16 = 0.04 x 256/64, linear scaling (Goyal et al. 2017)"
     flagged, rule = apply_preset(Config(model="resnet9", global_batch_size=256, lr=0.3, epochs=2))
-    assert (flagged.lr, flagged.epochs, rule) == (0.3, 2, "lr from --lr")
+    assert (flagged.lr, flagged.epochs, rule) == (0.3, 2, "sgd, linear schedule; lr from --lr")
+    # Another optimizer than the preset's brings its own lr, weight decay and schedule; the warm-up stays the preset's.
+    adamw, rule = apply_preset(Config(model="resnet9", optimizer="adamw", global_batch_size=1024))
+    assert (adamw.lr, adamw.weight_decay, adamw.schedule, adamw.warmup) == (1e-3, 0.05, "cosine", PRESETS["resnet9"].warmup)
+    assert rule == "adamw, cosine schedule; lr 0.001 = 0.0005 x 1024/512, linear scaling (Goyal et al. 2017)"
+    assert apply_preset(Config(model="resnet9", optimizer="adamw", schedule="constant"))[0].schedule == "constant"
     assert apply_preset(Config(model="resnet18"))[0].global_batch_size == PRESETS["resnet18"].global_batch_size
 
 

@@ -11,6 +11,7 @@ mixed in from their own modules.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import random
@@ -180,7 +181,8 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
         self.flag_tensor = None
         self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
         self._custom_objects = []
-        self._save_state_pre_hooks, self._load_state_pre_hooks = {}, {}
+        # OrderedDicts as Accelerate keeps them: torch's RemovableHandle holds a weak reference to its registry.
+        self._save_state_pre_hooks, self._load_state_pre_hooks = collections.OrderedDict(), collections.OrderedDict()
         self._active_loader: PreparedDataLoader | None = None
         self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
         if project_dir is not None and project_config is not None and project_config.project_dir is None:

@@ -7,12 +7,13 @@ stands and what it records (`run`, `records`), what stops it cleanly (`guard`), 
 from toolkit.train.batching import BatchPlan, plan_batches
 from toolkit.train.batchnorm import adapt_model, average_batchnorm_stats, sync_batchnorm
 from toolkit.train.config import TrainingConfig, check_config
+from toolkit.train.ema import WeightEMA
 from toolkit.train.evaluation import EvalMetrics
 from toolkit.train.guard import run_guard
-from toolkit.train.optim import decay_groups, warmup_cosine, warmup_linear_decay
+from toolkit.train.optim import build_optimizer, decay_groups, lr_schedule, warmup_cosine, warmup_linear_decay
 from toolkit.train.presets import apply_preset
 from toolkit.train.run import TrainingRun
 
-__all__ = ["BatchPlan", "TrainingConfig", "TrainingRun", "adapt_model", "apply_preset", "average_batchnorm_stats", "check_config",
-           "decay_groups", "EvalMetrics", "plan_batches", "run_guard", "sync_batchnorm", "warmup_cosine",
+__all__ = ["BatchPlan", "TrainingConfig", "TrainingRun", "WeightEMA", "adapt_model", "apply_preset", "average_batchnorm_stats", "check_config",
+           "build_optimizer", "decay_groups", "EvalMetrics", "lr_schedule", "plan_batches", "run_guard", "sync_batchnorm", "warmup_cosine",
            "warmup_linear_decay"]
