@@ -61,19 +61,19 @@ def build_loaders(cfg, data, accelerator, micro_batch: int):
 
 
 @torch.no_grad()
-def evaluate(model, loader, accelerator, ema=None) -> dict:
+def evaluate(model, loader, accelerator, classes: int, ema=None) -> dict:
     """Accuracy and mean loss over a prepared loader: gather_for_metrics drops the samples the sampler repeated
-    to even out the last batch, so every image counts once on any world size. With --ema-decay, the averaged
-    weights' figures too, under "ema"."""
+    to even out the last batch, so every image counts once on any world size; top-5, per-class accuracy and the
+    confusion matrix too. With --ema-decay, the averaged weights' figures, under "ema"."""
     model.eval()
-    metrics = EvalMetrics()
+    metrics = EvalMetrics(num_classes=classes)
     for inputs, targets in loader:
         metrics.update(*accelerator.gather_for_metrics((model(inputs), targets)))
     model.train()
     if ema is None:
         return metrics.compute()
     with ema.swapped():
-        return {**metrics.compute(), "ema": evaluate(model, loader, accelerator)}
+        return {**metrics.compute(), "ema": evaluate(model, loader, accelerator, classes)}
 
 
 def main(argv=None):
@@ -138,9 +138,9 @@ def main(argv=None):
                     guard.stop_if_asked()
             save_checkpoint()
             if run.evaluation_due():
-                metrics = evaluate(model, test_loader, accelerator, ema)
+                metrics = evaluate(model, test_loader, accelerator, data.num_classes, ema)
                 accelerator.log(run.evaluated(metrics), step=run.step)
-    summary = run.finish(metrics or evaluate(model, test_loader, accelerator, ema))
+    summary = run.finish(metrics or evaluate(model, test_loader, accelerator, data.num_classes, ema))
     accelerator.end_training()
     return summary
 

@@ -11,8 +11,9 @@ optimizer files, toolkit/engines/sharded_state.py). A folder is built in a hidde
 and renamed into place, so a killed writer never leaves a torn folder under a checkpoint's name.
 
 Under a checkpoints root the folders are `step-<8 digits>` (checkpoint_folder); `root/latest` names the newest
-and finish_checkpoint prunes the oldest and removes what dead writers left; latest_checkpoint skips a damaged
-folder with a one-line warning. What the files hold, and how they are read safely: toolkit/engines/state_files.py.
+and finish_checkpoint prunes the oldest and removes what dead writers left, sparing the one `root/best` names
+(mark_best, with best.json: --keep-best); latest_checkpoint skips a damaged folder with a one-line warning.
+What the files hold, and how they are read safely: toolkit/engines/state_files.py.
 """
 
 from __future__ import annotations
@@ -130,18 +131,48 @@ def _writer_alive(pid):
     return True
 
 
-# -- a checkpoints root: step-N folders, the latest pointer, pruning ---------------------------------------
+# -- a checkpoints root: step-N folders, the latest and best pointers, pruning -----------------------------
 def finish_checkpoint(root, folder, keep: int | None = None):
     """On the main process once `folder` (a step-N folder under `root`) is published: point `root/latest` at
-    it, delete the oldest checkpoints beyond `keep` (None keeps all) and what dead writers left."""
+    it, delete the oldest checkpoints beyond `keep` (None keeps all; never the one `root/best` names) and what
+    dead writers left."""
     check_keep(keep)
     root, folder = Path(root), Path(folder)
     _write_pointer(root, folder.name)
-    if keep is not None:
-        others = [p for p in list_checkpoints(root) if p.name != folder.name]
-        for old in others[: max(0, len(others) - (keep - 1))]:
-            remove_folder(old)
+    prune_checkpoints(root, folder, keep)
     remove_leftovers(root)
+
+
+def mark_best(root, folder, about: dict, keep: int | None = None):
+    """On the main process: `folder` (a published step-N folder under `root`) holds the best evaluation so far.
+    `root/best` names it and `root/best.json` says why (`about` and the folder's name); the checkpoint best named
+    before is deleted unless it is among the last `keep`."""
+    root, folder = Path(root), Path(folder)
+    _write_pointer(root, folder.name, "best")
+    temp = root / "best.json.tmp"
+    temp.write_text(json.dumps({**about, "folder": folder.name}, indent=2) + "\n")
+    os.replace(temp, root / "best.json")
+    fsync(root)
+    newest = _read_pointer(root)
+    if newest is not None:
+        prune_checkpoints(root, newest, keep)
+
+
+def prune_checkpoints(root, newest: Path, keep: int | None):
+    """Delete the oldest checkpoints but `newest` beyond `keep` in all, sparing the one `root/best` names."""
+    if keep is None:
+        return
+    best = _read_pointer(root, "best")
+    spared = {newest.name, best.name if best is not None else None}
+    others = [p for p in list_checkpoints(root) if p.name not in spared]
+    for old in others[: max(0, len(others) - (keep - 1))]:
+        remove_folder(old)
+
+
+def best_checkpoint(root) -> Path | None:
+    """The checkpoint folder `root/best` names (--keep-best), if it is there."""
+    best = _read_pointer(Path(root), "best")
+    return best if best is not None and best.is_dir() else None
 
 
 def check_keep(keep: int | None):
@@ -149,13 +180,13 @@ def check_keep(keep: int | None):
         raise UserError(f"keep must be at least 1 checkpoint, got {keep}.")
 
 
-def _write_pointer(root, name):
-    temp = root / "latest.tmp"
+def _write_pointer(root, name, pointer="latest"):
+    temp = root / f"{pointer}.tmp"
     with open(temp, "w") as f:
         f.write(name + "\n")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(temp, root / "latest")
+    os.replace(temp, root / pointer)
     fsync(root)
 
 
@@ -191,15 +222,15 @@ def latest_checkpoint(root) -> Path | None:
     return None
 
 
-def _read_pointer(root):
+def _read_pointer(root, pointer="latest"):
     try:
-        name = (root / "latest").read_text().strip()
+        name = (root / pointer).read_text().strip()
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError):  # a folder or unreadable bytes: warned about below, then ignored
         name = ""
     if not STEP_FOLDER.fullmatch(name):
-        print(f"warning: ignoring {root / 'latest'}: it does not name a checkpoint", file=sys.stderr)
+        print(f"warning: ignoring {root / pointer}: it does not name a checkpoint", file=sys.stderr)
         return None
     return root / name
 

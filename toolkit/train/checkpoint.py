@@ -10,7 +10,8 @@ the names a training loop needs around `accelerator.save_state` / `load_state`:
 
 A checkpoint is the folder every engine's save_state writes (toolkit/engines/state_folder.py): Accelerate's
 layout plus state.json and manifest.json, published atomically, named `root/step-00000123/` with `root/latest`
-naming the newest. Loading never unpickles code. The engine-layer names are listed in `__all__` and live in
+naming the newest (and, under --keep-best, `root/best` and best.json the best evaluated: mark_best, spared by the
+pruning). Loading never unpickles code. The engine-layer names are listed in `__all__` and live in
 toolkit/engines/state_folder.py and state_files.py; sharded saves: toolkit/train/sharded_checkpoint.py.
 """
 
@@ -25,13 +26,14 @@ from toolkit.engines.full_state import load_full_weights, write_full_weights
 from toolkit.engines.sharded_state import load_shards
 from toolkit.engines.state_files import (SCALER_NAME, gather_rng_states, load_safe, read_state_json, rng_state,
                                          state_file, state_json_text, write_training_state)
-from toolkit.engines.state_folder import (CHECKPOINT_FORMATS, check_keep, checkpoint_folder, checkpoint_format,
-                                          finish_checkpoint, latest_checkpoint, list_checkpoints, publish, read_state,
-                                          resolve_checkpoint, seal, start_folder)
+from toolkit.engines.state_folder import (CHECKPOINT_FORMATS, best_checkpoint, check_keep, checkpoint_folder,
+                                          checkpoint_format, finish_checkpoint, latest_checkpoint, list_checkpoints,
+                                          mark_best, publish, read_state, resolve_checkpoint, seal, start_folder)
 from toolkit.engines.state_folder import verify_folder as verify_checkpoint
 
-__all__ = ["CHECKPOINT_FORMATS", "checkpoint_folder", "finish_checkpoint", "gather_rng_states", "latest_checkpoint",
-           "list_checkpoints", "load_checkpoint", "read_state", "save_checkpoint", "verify_checkpoint"]
+__all__ = ["CHECKPOINT_FORMATS", "best_checkpoint", "checkpoint_folder", "finish_checkpoint", "gather_rng_states",
+           "latest_checkpoint", "list_checkpoints", "load_checkpoint", "mark_best", "read_state", "save_checkpoint",
+           "verify_checkpoint"]
 
 
 def save_checkpoint(root, step, *, model, optimizer=None, scheduler=None, scaler=None,

@@ -127,7 +127,19 @@ class RunRecorder:
         self.started = self.opened - elapsed_s
 
     def log(self, kind: str, **values):
-        """Append one row of `kind` ("step", "epoch", ...) to metrics.jsonl and KIND.csv."""
+        """Append one row of `kind` ("step", "epoch", ...) to metrics.jsonl and KIND.csv. KIND.csv keeps the columns
+        of its header (the first row's, or the file's when a resume appends to it): a value the header lacks goes
+        to metrics.jsonl alone, one it has and the row lacks is left empty.
+
+        >>> import tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> for row in ({"step": 1, "test_accuracy": 0.5}, {"step": 2, "test_accuracy": 0.7, "test_top5_accuracy": 1}):
+        ...     records = RunRecorder(folder, active=True)  # a run, then its resume
+        ...     records.log("epoch", **row)
+        ...     records.close()
+        >>> open(f"{folder}/epochs.csv").read().splitlines()[0]
+        'kind,time,step,test_accuracy'
+        """
         if not self.active:
             return
         row = {"kind": kind, "time": round(time.time() - self.started, 3), **values}
@@ -135,10 +147,10 @@ class RunRecorder:
         self._jsonl.flush()
         if kind not in self._csv:
             path = self.dir / f"{kind}s.csv"
-            is_new = not path.exists() or path.stat().st_size == 0
+            header = _csv_header(path)
             handle = open(path, "a", newline="")
-            writer = csv.DictWriter(handle, fieldnames=list(row), extrasaction="ignore")
-            if is_new:
+            writer = csv.DictWriter(handle, fieldnames=header or list(row), extrasaction="ignore")
+            if not header:
                 writer.writeheader()
             self._csv[kind] = (handle, writer)
         handle, writer = self._csv[kind]
@@ -150,11 +162,15 @@ class RunRecorder:
         return it."""
         summary = {"wall_time_s": round(time.time() - self.started, 3), **values, "versions": versions(),
                    "hardware": hardware(), "git_commit": git_commit(Path(__file__).parent)}
-        if self.active:
-            tmp = self.dir / "summary.json.tmp"
-            tmp.write_text(json.dumps(summary, indent=2, default=str))
-            os.replace(tmp, self.dir / "summary.json")
+        self.write_json("summary.json", summary)
         return summary
+
+    def write_json(self, name: str, value):
+        """Replace OUTPUT_DIR/`name` with `value` as JSON, atomically (a reader never sees half a file)."""
+        if self.active:
+            tmp = self.dir / f"{name}.tmp"
+            tmp.write_text(json.dumps(value, indent=2, default=str))
+            os.replace(tmp, self.dir / name)
 
     def close(self):
         if not self.active:
@@ -162,3 +178,12 @@ class RunRecorder:
         self._jsonl.close()
         for handle, _ in self._csv.values():
             handle.close()
+
+
+def _csv_header(path: Path) -> list[str] | None:
+    """The columns of an existing CSV file's header; None for a missing or empty file."""
+    try:
+        with open(path, newline="") as f:
+            return next(csv.reader(f), None) or None
+    except FileNotFoundError:
+        return None

@@ -17,6 +17,7 @@ records (steps.csv, epochs.csv, metrics.jsonl, summary.json, the progress bar) a
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -26,7 +27,7 @@ from tqdm import tqdm
 
 from toolkit.errors import UserError, install_excepthook
 from toolkit.train.checkpoint import (checkpoint_folder, finish_checkpoint, latest_checkpoint, load_checkpoint,
-                                      read_state)
+                                      mark_best, read_state)
 from toolkit.train.config_changes import config_changes
 from toolkit.train.data_position import epoch_batches, resume_position
 from toolkit.train.divergence import DivergenceWatch
@@ -35,6 +36,8 @@ from toolkit.train.records import RunRecorder, Throughput, check_fresh_output_di
 # What a resume reads from state.json: key -> (type, what it must be).
 STATE_KEYS = {"step": (int, "a whole number"), "epoch": (int, "a whole number"),
               "samples_in_epoch": (int, "a whole number"), "config": (dict, "an object")}
+# --keep-best: the metric -> (its key in EvalMetrics.compute()'s dict, whether higher is better).
+BEST_METRICS = {"test_accuracy": ("accuracy", True), "test_loss": ("loss", False)}
 
 
 class TrainingRun:
@@ -67,6 +70,8 @@ class TrainingRun:
         # rewritten); the recipe returns it.
         self.finished = None
         self._progress = self._tick = self._resumed_from = None
+        # --keep-best: the best evaluation so far {"metric", "value", "step", "folder"}, kept across a resume.
+        self.best = None
         # Loud warnings for a run that trains to nothing with exit 0: a schedule too short to start at the full lr
         # (said by `run.divergence.started(classes)` after the start line) and evaluations that diverge or stay at
         # chance; `warnings` holds those lines (the start-time one from here on), for the summary.
@@ -117,7 +122,8 @@ class TrainingRun:
         self._progress.set_postfix({"loss": f"{loss:.3f}", "lr": f"{lr:.3g}", f"{self.unit}/s": f"{rate:.0f}"},
                                    refresh=False)
         self._progress.update()
-        return {"loss": loss, "lr": lr, "images_per_s": rate}
+        return {"loss": loss, "lr": lr, "images_per_s": rate, **({"grad_norm": values["grad_norm"]}
+                                                                 if "grad_norm" in values else {})}
 
     def checkpoint_due(self) -> bool:
         return bool(self.cfg.checkpoint_every) and self.step % self.cfg.checkpoint_every == 0
@@ -127,14 +133,51 @@ class TrainingRun:
         return self.epoch % self.cfg.eval_every == 0 or self.epoch >= self.cfg.epochs or self.step >= self.total_steps
 
     def evaluated(self, metrics: dict) -> dict:
-        """Record a test evaluation (`evaluate`'s dict); returns what the trackers take."""
+        """Record a test evaluation (`EvalMetrics.compute()`'s dict) right after this step's checkpoint: its row and
+        line, confusion.png and confusion.json when it has a confusion matrix, and under --keep-best whether this
+        step's checkpoint is the best. Every rank calls it; returns what the trackers take."""
         epoch, label = self.epochs_done()
-        self.records.log("epoch", step=self.step, epoch=epoch, images=self.images,
-                         test_accuracy=metrics["accuracy"], test_loss=metrics["loss"], test_count=metrics["count"])
-        self.say(f"{label}: test accuracy {metrics['accuracy']:.4f}")
+        top5 = {"test_top5_accuracy": metrics["top5_accuracy"]} if "top5_accuracy" in metrics else {}
+        ema = average_figures(metrics)
+        self.records.log("epoch", step=self.step, epoch=epoch, images=self.images, test_accuracy=metrics["accuracy"],
+                         **top5, test_loss=metrics["loss"], test_count=metrics["count"], **ema)
+        self.say(f"{label}: test accuracy {metrics['accuracy']:.4f}"
+                 + (f", top-5 {metrics['top5_accuracy']:.4f}" if top5 else "")
+                 + (f"; weight average (--ema-decay) {ema['ema_test_accuracy']:.4f}" if ema else ""))
         names = self.config.get("classes") or self.config.get("vocabulary")  # images.py's, lm.py's outputs
         self.divergence.check(metrics, final=self.step >= self.total_steps, classes=len(names) if names else None)
-        return {"test_accuracy": metrics["accuracy"], "test_loss": metrics["loss"]}
+        if "confusion_matrix" in metrics and self.accelerator.is_main_process:
+            self._write_confusion(metrics)
+        if self.cfg.keep_best:
+            self._keep_best(metrics)
+        return {"test_accuracy": metrics["accuracy"], **top5, "test_loss": metrics["loss"], **ema}
+
+    def _write_confusion(self, metrics: dict):
+        """OUTPUT_DIR/confusion.png and confusion.json, this evaluation's (each evaluation replaces them)."""
+        from toolkit.train.confusion import write_confusion
+
+        matrix, names = metrics["confusion_matrix"], self.config.get("classes")
+        names = [str(n) for n in names] if names and len(names) == len(matrix) else [str(i) for i in range(len(matrix))]
+        write_confusion(self.records.dir / "confusion.png", matrix, names)
+        self.records.write_json("confusion.json", {"classes": names, "matrix": matrix, "step": self.step,
+                                                   "per_class_accuracy": metrics["per_class_accuracy"]})
+
+    def _keep_best(self, metrics: dict):
+        """--keep-best: when this evaluation beats every earlier one, this step's checkpoint becomes the best
+        (`best` and best.json beside `latest`, main process), spared by the --keep pruning."""
+        key, higher = BEST_METRICS[self.cfg.keep_best]
+        value, best = metrics[key], self.best and self.best["value"]
+        if not math.isfinite(value) or best is not None and not (value > best if higher else value < best):
+            return
+        folder = checkpoint_folder(self.checkpoints, self.step)
+        self.best = {"metric": self.cfg.keep_best, "value": value, "step": self.step, "folder": folder.name}
+        if not self.accelerator.is_main_process:
+            return
+        if folder.is_dir():
+            mark_best(self.checkpoints, folder, {k: v for k, v in self.best.items() if k != "folder"}, self.cfg.keep)
+        else:
+            self.say(f"[toolkit] warning: --keep-best: no checkpoint of step {self.step} to keep; save one with "
+                     "run.checkpoint_saved(accelerator.save_state(run.checkpoint_folder())) before evaluating.")
 
     def epochs_done(self) -> tuple[float, str]:
         """(epochs done, as the records' `epoch` column counts them; how the run's lines name that point): a run
@@ -170,7 +213,7 @@ class TrainingRun:
     def state_dict(self) -> dict:
         return {"step": self.step, "epoch": self.epoch, "samples_in_epoch": self.batch * self.plan.micro_batch *
                 self.plan.processes, "world_size": self.accelerator.num_processes, "engine": self.accelerator.name,
-                "config": self.config, "attempts": self.attempts + [self.this_attempt()]}
+                "config": self.config, "attempts": self.attempts + [self.this_attempt()], "best": self.best}
 
     state_json = state_dict  # the toolkit's save_state merges it into state.json, where people and tools read it
 
@@ -182,7 +225,22 @@ class TrainingRun:
             self.attempts = attempts  # the records' clock goes on from the checkpoint's, as the step does
             self.records.continue_from(sum(a["wall_time_s"] for a in attempts))
         self.first_step = self.step
+        self.best = self._resumed_best(state.get("best"))
         self.accelerator.print(f"resumed from {self._resumed_from} (step {self.step})")
+
+    def _resumed_best(self, saved) -> dict | None:
+        """--keep-best's best evaluation up to the resumed step: the checkpoint's (None in an older one), or
+        best.json's when it is later. A checkpoint is saved just before its step's evaluation, so it cannot hold
+        that one; a best.json past the resumed step is another timeline's, and ignored."""
+        try:
+            written = json.loads((self.checkpoints / "best.json").read_text())
+        except (OSError, ValueError):
+            written = None
+        found = [best for best in (saved, written)
+                 if isinstance(best, dict) and best.get("metric") == self.cfg.keep_best
+                 and isinstance(best.get("value"), (int, float)) and isinstance(best.get("step"), int)
+                 and isinstance(best.get("folder"), str) and best["step"] <= self.step]
+        return max(found, key=lambda best: best["step"], default=None)
 
     def this_attempt(self) -> dict:
         """This attempt's figures so far: the steps it trained, its wall time and throughput."""
@@ -279,8 +337,11 @@ class TrainingRun:
         print the result; returns it."""
         accelerator, plan, meter = self.accelerator, self.plan, self.throughput
         attempts = self.attempts + [self.this_attempt()]
+        by_class = {f"test_{key}": metrics[key] for key in ("top5_accuracy", "per_class_accuracy", "confusion_matrix")
+                    if key in metrics}
         summary = self.records.summary(
-            test_accuracy=metrics["accuracy"], test_loss=metrics["loss"], test_count=metrics["count"], steps=self.step,
+            test_accuracy=metrics["accuracy"], test_loss=metrics["loss"], test_count=metrics["count"], **by_class,
+            **average_figures(metrics), **({"best_checkpoint": self.best} if self.best else {}), steps=self.step,
             images_per_s=overall_rate(attempts, plan.global_batch), warmup_s=round(sum(a["warmup_s"] for a in attempts), 3),
             warmup_steps=min(meter.steps, meter.warmup_steps), engine=accelerator.name,
             wall_time_s=round(sum(a["wall_time_s"] for a in attempts), 3), attempts=attempts,
@@ -296,6 +357,12 @@ class TrainingRun:
                           + (f" over {len(attempts)} attempts" if len(attempts) > 1 else "")
                           + (f", {skipped} optimizer step(s) skipped (fp16 overflow or non-finite loss)" if skipped else ""))
         return summary
+
+
+def average_figures(metrics: dict) -> dict:
+    """The weight average's test figures (--ema-decay: `evaluate` puts them under "ema"), as the records name them."""
+    ema = metrics.get("ema")
+    return {"ema_test_accuracy": ema["accuracy"], "ema_test_loss": ema["loss"]} if ema else {}
 
 
 def overall_rate(attempts: list[dict], global_batch: int) -> float | None:
