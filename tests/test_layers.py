@@ -18,6 +18,7 @@ LAYERS = [
     ("toolkit.data", "toolkit.models"),
     ("toolkit.train",),
     ("toolkit.check",),
+    ("toolkit.use",),
     ("toolkit.cli", "toolkit", "recipes"),
 ]
 ROW = {part: row for row, parts in enumerate(LAYERS) for part in parts}

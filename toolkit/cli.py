@@ -5,6 +5,8 @@
     toolkit env [--config_file accelerate_configs/cpu.yaml] [--json]
     toolkit compare RUN_DIR [RUN_DIR ...] [--plot compare.png]
     toolkit checkpoint consolidate CHECKPOINT [--out PATH]
+    toolkit predict CHECKPOINT IMAGES...|FOLDER [--top-k 5] [--batch-size 64] [--device auto] [--out FILE.csv|.json]
+    toolkit export CHECKPOINT --format onnx|torchscript|safetensors [--out PATH]
 """
 
 from __future__ import annotations
@@ -96,6 +98,33 @@ def _checkpoint_parser(sub):
                    "alone (default: the checkpoints folder's sibling CHECKPOINTS-full)")
 
 
+def _predict_parser(sub):
+    p = sub.add_parser("predict", help="the top-k classes of image files with their probabilities, from a checkpoint "
+                       "(full or sharded, any engine), as CSV or JSON; on an ImageFolder split also the accuracy")
+    p.add_argument("checkpoint", help="a step-N folder, or a checkpoints folder (its latest)")
+    p.add_argument("inputs", nargs="+", metavar="IMAGE|FOLDER",
+                   help="image files, or folders walked recursively for them (sorted)")
+    p.add_argument("--top-k", "--top_k", type=int, default=5, metavar="K",
+                   help="classes per image, most probable first (default: 5; at most the class count)")
+    p.add_argument("--batch-size", "--batch_size", type=int, default=64, metavar="N",
+                   help="images per forward pass (default: 64)")
+    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto",
+                   help="where the model runs (default: auto, cuda when available)")
+    p.add_argument("--out", metavar="FILE", help="FILE.csv (path, class_1, prob_1, ...) or FILE.json (a list of "
+                   "objects) (default: CSV to stdout, the accuracy line to stderr)")
+
+
+def _export_parser(sub):
+    p = sub.add_parser("export", help="write a checkpoint's model as ONNX, TorchScript or safetensors, checked "
+                       "against PyTorch on the same inputs (exit 1 above 1e-4), its preprocessing in OUT.json")
+    p.add_argument("checkpoint", help="a step-N folder, or a checkpoints folder (its latest)")
+    p.add_argument("--format", required=True, choices=("onnx", "torchscript", "safetensors"),
+                   help="onnx (onnxruntime-checked), torchscript (torch.jit.trace), or safetensors (the weights "
+                   "with their metadata, loadable with --weights)")
+    p.add_argument("--out", metavar="PATH", help="the file to write (default: RUN_DIR/export/step-N.onnx|.pt|"
+                   ".safetensors beside the checkpoints folder)")
+
+
 class _Parser(StrictParser):
     def error(self, message):  # one line and exit 2, like every other user error here
         self.exit(2, f"error: {with_suggestion(self, message)} (see `toolkit --help`)\n")
@@ -116,6 +145,8 @@ def main(argv=None) -> int:
     _env_parser(sub)
     _compare_parser(sub)
     _checkpoint_parser(sub)
+    _predict_parser(sub)
+    _export_parser(sub)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # refused by the (sub)command's own parser, which knows the flag meant
         _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -140,6 +171,14 @@ def main(argv=None) -> int:
             from toolkit.train.consolidate import run_consolidate
 
             return run_consolidate(args)
+        if args.command == "predict":
+            from toolkit.use.predict import run_predict
+
+            return run_predict(args)
+        if args.command == "export":
+            from toolkit.use.export import run_export
+
+            return run_export(args)
     except RunFailure as error:  # UserError included: one sentence, its own exit code
         return report(error)
     except KeyboardInterrupt:
