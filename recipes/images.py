@@ -6,13 +6,15 @@
     torchrun --nproc_per_node 2 recipes/images.py --data-dir data/pets --engine ddp
     toolkit launch --config_file accelerate_configs/multi_gpu.yaml --engine ddp recipes/images.py --data-dir data/pets
     python recipes/images.py --data-dir hf:data/pets_parquet --model resnet50 --weights resnet50.pth
+    python recipes/images.py --data-dir data/pets --model timm:resnet18.a1_in1k --weights pretrained --freeze-backbone
 
 --data-dir holds train/<class>/* and val/<class>/* (or test/<class>/*), as torchvision's ImageFolder reads
 them, or is hf:PATH (a save_to_disk folder or parquet files). Images of any size and mode are read as RGB;
 class names are the folder names sorted as ImageFolder sorts them, saved in every checkpoint and in
-summary.json. --model is any torchvision classification model (built with weights=None: no downloads) or
-one of the toolkit's nets (tiny, resnet9, toolkit:resnet18); --weights starts from a local state dict and
-gives it a new classifier head when the class count differs. DataLoader workers decode: RandomResizedCrop
+summary.json. --model is any torchvision classification model, timm:NAME (any timm model) or one of the
+toolkit's nets (tiny, resnet9, toolkit:resnet18); --weights starts from a local state dict, or from the model's
+published weights in the local cache (pretrained; nothing is downloaded), with a new classifier head when the
+class count differs; --freeze-backbone trains the head alone, --head-lr gives it its own learning rate. DataLoader workers decode: RandomResizedCrop
 and flip for training, resize and centre crop for evaluation. The global batch, presets, exact mid-epoch
 resume and records are cifar.py's. An unreadable image file stops the run with its path (exit 2).
 """
@@ -26,10 +28,12 @@ from torch.utils.data import DataLoader
 import toolkit
 from toolkit.data.folder import StreamingLoader, default_workers, image_transform, open_images
 from toolkit.data.memory import AUGMENTATIONS
-from toolkit.models.vision import TOOLKIT_PREFIX, build_image_model, is_torchvision_model, start_from_weights
-from toolkit.train import (EvalMetrics, TrainingConfig, TrainingRun, adapt_model, apply_preset,
-                           average_batchnorm_stats, check_config, decay_groups, plan_batches, run_guard,
-                           warmup_linear_decay)
+from toolkit.models.timm_models import is_timm_model
+from toolkit.models.vision import (TOOLKIT_PREFIX, build_image_model, freeze_backbone, head_parameter_names,
+                                   is_torchvision_model)
+from toolkit.train import (EvalMetrics, TrainingConfig, TrainingRun, WeightEMA, adapt_model, apply_preset,
+                           average_batchnorm_stats, build_optimizer, check_config, decay_groups, lr_schedule,
+                           plan_batches, run_guard)
 
 
 @dataclass
@@ -39,8 +43,10 @@ class Config(TrainingConfig):  # the shared training flags (toolkit/train/config
     model: str = field(default="resnet18", metadata={"help": "a torchvision classification model, or tiny, "
                        "resnet9, toolkit:resnet18 (the toolkit's nets)"})
     image_size: int = field(default=224, metadata={"help": "pixels per side the model sees"})
-    weights: str | None = field(default=None, metadata={"help": "local state dict to start from (.safetensors "
-                                "or a torchvision .pth); a new classifier head when the class count differs"})
+    weights: str | None = field(default=None, metadata={"help": "a local state dict to start from (.safetensors, a "
+                                "torchvision or timm .pth, or a run's checkpoints/step-N/model.safetensors), or "
+                                "'pretrained': the model's published weights from the local Hugging Face or torch hub "
+                                "cache, never downloaded; a new classifier head when the class count differs"})
     freeze_backbone: bool = field(default=False, metadata={"help": "train the classifier head alone (the backbone's "
                                   "weights fixed, as from --weights)"})
     head_lr: float | None = field(default=None, metadata={"help": "the classifier head's peak learning rate "
@@ -64,33 +70,40 @@ def build_loaders(cfg, data, accelerator, micro_batch: int):
 
 
 def image_model(cfg, classes: int, say):
-    """--model with `classes` outputs, from --weights when given (a new head when the class count differs)."""
-    model = build_image_model(cfg.model, classes, cfg.image_size)
-    if cfg.weights:
-        start_from_weights(model, cfg.weights, say)
+    """--model with `classes` outputs, from --weights when given (a new head when the class count differs), its
+    backbone fixed with --freeze-backbone."""
+    model = build_image_model(cfg.model, classes, cfg.image_size, weights=cfg.weights, say=say)
+    if cfg.freeze_backbone:
+        frozen, trained = freeze_backbone(model)
+        say(f"[toolkit] --freeze-backbone: {frozen:,} backbone parameters fixed, {trained:,} in the head trained")
     return model
 
 
 @torch.no_grad()
-def evaluate(model, loader, accelerator) -> dict:
+def evaluate(model, loader, accelerator, classes: int, ema=None) -> dict:
     """Accuracy and mean loss over a prepared loader: gather_for_metrics drops the samples the sampler repeated
-    to even out the last batch, so every image counts once on any world size."""
+    to even out the last batch, so every image counts once on any world size; top-5, per-class accuracy and the
+    confusion matrix too. With --ema-decay, the averaged weights' figures, under "ema"."""
     model.eval()
-    metrics = EvalMetrics()
+    metrics = EvalMetrics(num_classes=classes)
     for inputs, targets in loader:
         metrics.update(*accelerator.gather_for_metrics((model(inputs), targets)))
     model.train()
-    return metrics.compute()
+    if ema is None:
+        return metrics.compute()
+    with ema.swapped():
+        return {**metrics.compute(), "ema": evaluate(model, loader, accelerator, classes)}
 
 
 def main(argv=None):
     cfg = toolkit.parse_config(Config, argv, description=__doc__.splitlines()[0])
-    # torchvision's models share torchvision's reference recipe; the toolkit's nets have their own presets.
-    preset = "torchvision" if is_torchvision_model(cfg.model) else cfg.model.removeprefix(TOOLKIT_PREFIX)
+    # torchvision's and timm's models share torchvision's reference recipe; the toolkit's nets have their own presets.
+    own = not (is_torchvision_model(cfg.model) or is_timm_model(cfg.model))
+    preset = cfg.model.removeprefix(TOOLKIT_PREFIX) if own else "torchvision"
     cfg, lr_rule = apply_preset(cfg, preset)
     check_config(cfg)
-    if cfg.image_size < 1 or cfg.workers is not None and cfg.workers < 0:
-        raise toolkit.UserError("--image-size must be at least 1 and --workers at least 0.")
+    if cfg.image_size < 1 or cfg.workers is not None and cfg.workers < 0 or cfg.head_lr is not None and cfg.head_lr <= 0:
+        raise toolkit.UserError("--image-size must be at least 1, --workers at least 0 and --head-lr positive.")
     accelerator = toolkit.build_accelerator(cfg.engine, mixed_precision=cfg.mixed_precision, timeout=cfg.timeout,
                                             log_with=cfg.trackers, project_dir=cfg.output_dir,
                                             checkpoint_format=cfg.checkpoint_format)
@@ -102,13 +115,16 @@ def main(argv=None):
     train_loader, val_loader = build_loaders(cfg, data, accelerator, plan.micro_batch)
 
     model, average_bn = adapt_model(image_model(cfg, len(data.classes), accelerator.print), cfg, accelerator)
-    optimizer = torch.optim.SGD(decay_groups(model, cfg.weight_decay), lr=cfg.lr, momentum=0.9, nesterov=True)
+    # sgd or adamw; the classifier head at --head-lr when given (a frozen backbone has no parameters to train)
+    groups = decay_groups(model, cfg.weight_decay, head=head_parameter_names(model), head_lr=cfg.head_lr)
+    optimizer = build_optimizer(cfg.optimizer, groups, lr=cfg.lr)
     model, optimizer = accelerator.prepare(model, optimizer)
     run = TrainingRun(accelerator, cfg, plan, batches_per_epoch=len(train_loader))
     run.config["classes"] = data.classes  # saved with every checkpoint: the model's outputs, named
     # Stepped once per optimizer step below (a prepared one ticks once per process), saved with the state.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_linear_decay(run.total_steps, cfg.warmup))
-    accelerator.register_for_checkpointing(scheduler, run)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg.schedule, run.total_steps, cfg.warmup))
+    ema = WeightEMA(model, cfg.ema_decay, accelerator) if cfg.ema_decay else None  # --ema-decay: averaged weights
+    accelerator.register_for_checkpointing(scheduler, run, *([ema] if ema else []))
     if (folder := run.resume_folder()) is not None:
         accelerator.load_state(folder)  # weights, optimizer, schedule, every rank's RNG and the run's position
     if run.finished:  # --resume of a run that had ended: its summary.json stands, nothing is trained or rewritten
@@ -126,7 +142,7 @@ def main(argv=None):
             average_batchnorm_stats(model, accelerator)
         run.checkpoint_saved(accelerator.save_state(run.checkpoint_folder()))
 
-    metrics = None
+    metrics, norm = None, {}
     with run_guard(run) as guard:  # Ctrl-C/SIGTERM: a checkpoint at the next step, then exit 130
         for epoch in run.epochs():
             model.train()
@@ -136,21 +152,25 @@ def main(argv=None):
                     if guard.should_backward(loss):  # False on every rank when --skip-nonfinite skips this step
                         accelerator.backward(loss)
                     guard.check()  # every rank's loss, read once backward is queued: a NaN stops before the step
-                    if accelerator.sync_gradients and cfg.clip_grad_norm:
-                        accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+                    if accelerator.sync_gradients and cfg.clip_grad_norm:  # the whole step's gradient, once
+                        norm = {"grad_norm": accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm).item()}
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                 if accelerator.sync_gradients:  # an optimizer step is complete
                     scheduler.step()
-                    accelerator.log(run.step_done(lr=scheduler.get_last_lr()[0], **guard.step_done()), step=run.step)
+                    if ema:
+                        ema.update()
+                    accelerator.log(run.step_done(lr=scheduler.get_last_lr()[0], **norm, **guard.step_done()),
+                                    step=run.step)
                     if guard.stop_requested or run.checkpoint_due():
                         save_checkpoint()
                     guard.stop_if_asked()
             save_checkpoint()
             if run.evaluation_due():
-                metrics = evaluate(model, val_loader, accelerator)
+                metrics = evaluate(model, val_loader, accelerator, len(data.classes), ema)
                 accelerator.log(run.evaluated(metrics), step=run.step)
-    summary = run.finish(metrics or evaluate(model, val_loader, accelerator), dataset=data.name, classes=data.classes)
+    metrics = metrics or evaluate(model, val_loader, accelerator, len(data.classes), ema)
+    summary = run.finish(metrics, dataset=data.name, classes=data.classes)
     accelerator.end_training()
     return summary
 
