@@ -1,5 +1,6 @@
 """Training-state memory per rank: bytes of parameters, gradients and optimizer state under the ddp and fsdp
-engines at world 2 and 4, next to the model's total.
+engines at world 2 and 4, next to the model's total; and activation memory with and without
+--activation-checkpointing.
 
     python benchmarks/memory.py                  # resnet18 (11.2M parameters), AdamW, worlds 2 and 4, ~1 min
     python benchmarks/memory.py --model resnet9  # another model
@@ -13,7 +14,16 @@ its parameters, their .grad and the optimizer's state tensors; for a DTensor (FS
 (`to_local()`), padding included. Rank 0's totals are reported (the ranks differ by padding only).
 Targets: fsdp per rank <= 0.55 x ddp at world 2 and <= 0.30 x ddp at world 4; the ratio lines print
 ddp / fsdp, so each target is a least value (1 / 0.55 and 1 / 0.30). Activations and communication buffers
-are not counted: they depend on the batch, not on how the state is sharded.
+are not counted there: they depend on the batch, not on how the state is sharded.
+
+Activations are measured apart, in this process, on two copies of the same model, one with its blocks
+checkpointed (`toolkit.models.blocks.checkpoint_blocks`, what --activation-checkpointing does): the bytes of
+the tensors its forward saves for backward (`torch.autograd.graph.saved_tensors_hooks`, each storage once,
+parameters left out), at batch 32 (--quick: 8) of 32x32 images. A checkpointed block saves only its input.
+On a GPU the peak of `torch.cuda.max_memory_allocated` over forward and backward, above what the model and
+batch hold, is reported too: it adds the gradients and one block's recomputation. Target: checkpointing
+keeps at most half the plain model's saved bytes (the ratio prints plain / checkpointed, at least 2). tiny
+has no block with layers inside, so there is nothing to checkpoint and no ratio.
 """
 
 from __future__ import annotations
@@ -30,9 +40,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from toolkit.errors import UserError
+from toolkit.models.blocks import checkpoint_blocks
 from toolkit.models.nets import MODELS, build_model
 
 TARGETS = {2: 0.55, 4: 0.30}  # fsdp bytes per rank / ddp bytes per rank, at most
+ACTIVATION_TARGET = 2.0  # plain saved bytes / checkpointed saved bytes, at least
 KINDS = ("parameters", "gradients", "optimizer state")
 
 
@@ -105,6 +117,48 @@ def measure(world: int, model_name: str) -> dict:
         return json.loads(Path(path).read_text())
 
 
+def saved_bytes(model, x) -> int:
+    """Bytes of the tensors `model(x)`'s forward saves for its backward: each storage once, parameters not
+    counted (they are held with or without a backward)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(x)
+    return sum(seen.values())
+
+
+def cuda_peak_bytes(model, x) -> int:
+    """Peak CUDA memory over one forward and backward, above what was allocated before it."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    F.cross_entropy(model(x), torch.zeros(len(x), dtype=torch.long, device=x.device)).backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def activations(model_name: str, batch: int) -> dict:
+    """Saved bytes (and on a GPU, peak bytes) of the same model plain and with its blocks checkpointed."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    plain = build_model(model_name, 10).to(device)
+    checkpointed = copy.deepcopy(plain)
+    blocks = len(checkpoint_blocks(checkpointed))
+    x = torch.randn(batch, 3, 32, 32, device=device)
+    result = {"blocks": blocks, "saved": {name: saved_bytes(m, x) for name, m in
+                                          (("plain", plain), ("checkpointed", checkpointed))}}
+    if device.type == "cuda":
+        result["peak"] = {name: cuda_peak_bytes(m, x) for name, m in (("plain", plain), ("checkpointed", checkpointed))}
+    return result
+
+
 def mib(n: int) -> float:
     return n / 2**20
 
@@ -125,12 +179,29 @@ def main(argv=None) -> int:
                                    round(1 / target, 3)))
         notes.append(f"world {world}: fsdp holds {sums['fsdp'] / sums['ddp']:.3f} x ddp's bytes per rank "
                      f"(target <= {target}).")
+    batch = 8 if args.quick else 32
+    acts = activations(args.model, batch)
+    saved = acts["saved"]
+    if acts["blocks"]:
+        ratios.append(common.Ratio(f"{args.model} saved activations plain / checkpointed",
+                                   saved["plain"] / saved["checkpointed"], ACTIVATION_TARGET))
+        notes.append(f"activations saved for backward, {args.model} at batch {batch}: {mib(saved['plain']):.1f} MiB "
+                     f"plain, {mib(saved['checkpointed']):.1f} MiB with its {acts['blocks']} blocks checkpointed "
+                     f"({saved['checkpointed'] / saved['plain']:.3f} x).")
+    else:
+        notes.append(f"{args.model} has no block with layers inside: nothing to checkpoint "
+                     f"({mib(saved['plain']):.2f} MiB saved for backward at batch {batch}).")
+    if "peak" in acts:
+        peak = acts["peak"]
+        notes.append(f"CUDA peak over forward and backward, {args.model} at batch {batch}: "
+                     f"{mib(peak['plain']):.1f} MiB plain, {mib(peak['checkpointed']):.1f} MiB checkpointed "
+                     f"({peak['checkpointed'] / peak['plain']:.3f} x).")
     columns = ["engine x world", "parameters MiB", "gradients MiB", "optimizer state MiB", "sum MiB per rank",
                "model parameters MiB (whole)", "sum / ddp's"]
     bars = common.Bars([r[0] for r in rows], [float(r[4]) for r in rows], "MiB per rank (parameters + gradients + "
                        "AdamW state)", [f"{r[6]}x" for r in rows])
-    common.publish(out, "memory", f"Training-state memory per rank: ddp vs fsdp ({args.model}, AdamW)",
-                   (columns, rows), ratios, notes, bars)
+    title = f"Training-state memory per rank: ddp vs fsdp ({args.model}, AdamW); activations, checkpointed or not"
+    common.publish(out, "memory", title, (columns, rows), ratios, notes, bars)
     return common.exit_code(ratios, args.quick)
 
 

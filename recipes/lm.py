@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader
 import toolkit
 from toolkit.data.text import GENESIS, WindowLoader, load_text, window_dataset
 from toolkit.models.gpt import GPT_SIZES, build_gpt
-from toolkit.train import (EvalMetrics, TrainingConfig, TrainingRun, WeightEMA, apply_preset, build_optimizer,
+from toolkit.train import (EvalMetrics, TrainingConfig, TrainingRun, WeightEMA, adapt_model, apply_preset,
+                           build_optimizer,
                            check_config, decay_groups, lr_schedule, plan_batches, run_guard)
 
 
@@ -67,9 +68,8 @@ def main(argv=None):
                                 world_size=accelerator.num_processes, seed=cfg.seed, device=accelerator.device)
     val_loader = accelerator.prepare(DataLoader(window_dataset(text.val, block_size), plan.micro_batch))
 
-    model = build_gpt(cfg.model, text.vocab_size, block_size=block_size)
-    if cfg.compile:
-        model = torch.compile(model)
+    # --activation-checkpointing, then --compile, block by block (before prepare: fsdp then shards each block)
+    model, _ = adapt_model(build_gpt(cfg.model, text.vocab_size, block_size=block_size), cfg, accelerator)
     # adamw (the preset's; beta2 0.99 as nanoGPT's small character model) or sgd
     optimizer = build_optimizer(cfg.optimizer, decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.99))
     model, optimizer = accelerator.prepare(model, optimizer)

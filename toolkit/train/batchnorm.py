@@ -1,11 +1,14 @@
-"""The model as the image recipes' flags adapt it (`adapt_model`), and BatchNorm across ranks: `--sync-bn` as SyncBatchNorm where PyTorch runs it (GPU ranks), and on CPU ranks,
-where PyTorch refuses it, the running statistics averaged over ranks before each checkpoint (an evaluation
-follows one), so every rank saves and evaluates one model.
+"""The model as the recipes' flags adapt it (`adapt_model`), and BatchNorm across ranks: `--sync-bn` as
+SyncBatchNorm where PyTorch runs it (GPU ranks), and on CPU ranks, where PyTorch refuses it, the running
+statistics averaged over ranks before each checkpoint (an evaluation follows one), so every rank saves and
+evaluates one model.
 """
 
 from __future__ import annotations
 
 import torch
+
+from toolkit.models.blocks import checkpoint_blocks, compile_blocks
 
 
 def batchnorm_layers(model):
@@ -34,8 +37,19 @@ def average_batchnorm_stats(model, accelerator):
 
 
 def adapt_model(model, cfg, accelerator):
-    """(model, whether BatchNorm statistics are averaged by hand) after --sync-bn, --channels-last, --compile."""
+    """(model, whether BatchNorm statistics are averaged by hand) after --sync-bn, --channels-last,
+    --activation-checkpointing and --compile, in that order: checkpointing and compiling go block by block
+    (toolkit/models/blocks.py), so the fsdp engine's prepare still shards every block. DataParallel replicates
+    the model each step and a replica of a compiled block would run the original's, so under dp the whole
+    model is compiled (the dp engine drops that on more than one GPU, and says so)."""
     model, average_bn = sync_batchnorm(model, accelerator) if cfg.sync_bn else (model, False)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    return (torch.compile(model) if cfg.compile else model), average_bn
+    if cfg.activation_checkpointing:
+        blocks = checkpoint_blocks(model)
+        accelerator.print(f"[toolkit] --activation-checkpointing: {len(blocks)} blocks recompute their activations in "
+                          "backward" if blocks else "[toolkit] --activation-checkpointing: the model has no blocks "
+                          "with layers inside (only lone layers, which keep their inputs anyway); nothing is recomputed")
+    if cfg.compile:
+        model = compile_blocks(model, whole=accelerator.name == "dp")
+    return model, average_bn
