@@ -21,6 +21,49 @@ class Mutation:
     breaks: str  # the invariant, in words
 
 
+@dataclass(frozen=True)
+class SourceEdit:
+    """A bug in a recipe's own loop, where no toolkit function holds the line: each (old, new) replaces text that
+    occurs exactly once in the recipe's source before it is compiled. The tests that catch it run the recipe as
+    `python -m recipes.NAME` (or import it), which the patching finder sees; `python recipes/NAME.py` it does not."""
+    edits: tuple
+
+    def rewrite(self, source: str) -> str:
+        for old, new in self.edits:
+            if source.count(old) != 1:
+                raise AssertionError(f"the mutation's text occurs {source.count(old)} times in the recipe: {old!r}")
+            source = source.replace(old, new)
+        return source
+
+
+# cifar.py's step: the gradient clipped on every micro-step (each partial sum of an accumulated step), not once.
+_CLIP_EVERY_MICRO_STEP = SourceEdit(((
+    "if accelerator.sync_gradients and cfg.clip_grad_norm:", "if cfg.clip_grad_norm:"),))
+# cifar.py's step: the weight average moved on every micro-step, not once per optimizer step.
+_EMA_EVERY_MICRO_STEP = SourceEdit((
+    ("                    if ema:\n                        ema.update()\n", ""),
+    ("                    optimizer.zero_grad(set_to_none=True)\n",
+     "                    optimizer.zero_grad(set_to_none=True)\n                    if ema:\n                        ema.update()\n")))
+
+
+def _head_lr_ignored(optim):
+    decay_groups = optim.decay_groups
+    optim.decay_groups = lambda model, weight_decay, head=(), head_lr=None: decay_groups(model, weight_decay)
+
+
+def _confusion_from_rank0_shard(evaluation):
+    update = evaluation.EvalMetrics._update_by_class
+
+    def rank0_shard(self, logits, targets):
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        share = -(-len(targets) // world)  # a gathered batch is the ranks' batches in rank order
+        update(self, logits[:share], targets[:share])
+
+    evaluation.EvalMetrics._update_by_class = rank0_shard
+
+
 def _optimizer_step_noop(base):
     base.PreparedOptimizer.step = lambda self, closure=None: None
 
@@ -123,7 +166,24 @@ def _abbreviations_taken(config):
 
 
 PARITY, FLAGS, API = "tests/test_parity.py", "tests/test_flags.py", "tests/test_engine_api.py"
+OPTIMIZERS = "tests/test_optimizers.py"
 MUTATIONS = {
+    "clipping-on-micro-steps": Mutation(
+        "recipes.cifar", _CLIP_EVERY_MICRO_STEP,
+        (f"{OPTIMIZERS}::test_adamw_cosine_clipping_and_ema_match_the_hand_written_loop",),
+        "clipping: each micro-batch's partial gradient is clipped, so accumulation changes the step"),
+    "ema-every-micro-step": Mutation(
+        "recipes.cifar", _EMA_EVERY_MICRO_STEP,
+        (f"{OPTIMIZERS}::test_adamw_cosine_clipping_and_ema_match_the_hand_written_loop",),
+        "EMA: the average moves once per micro-step, so its horizon shrinks with accumulation"),
+    "confusion-from-rank-0-shard": Mutation(
+        "toolkit.train.evaluation", _confusion_from_rank0_shard,
+        ("tests/test_evaluation.py::test_two_gloo_ranks_count_what_one_process_counts",),
+        "exact eval: the confusion matrix counts rank 0's shard of each gathered batch only"),
+    "head-lr-ignored": Mutation(
+        "toolkit.train.optim", _head_lr_ignored,
+        (f"{OPTIMIZERS}::test_a_frozen_backbone_stays_and_the_head_trains_at_head_lr",),
+        "fine-tuning: --head-lr is dropped and the head trains at the backbone's lr"),
     "files-keep-tempfile-mode": Mutation(
         "toolkit.engines.weights", _files_keep_tempfile_mode,
         ("tests/test_checkpoint.py::test_every_file_a_save_writes_has_the_mode_the_umask_gives",),

@@ -125,3 +125,43 @@ def cifar_recipe_by_hand(root, *, global_batch, micro_batch, epochs, lr, weight_
     accuracy = (logits.argmax(1) == test_y).float().mean().item()
     test_loss = torch.nn.functional.cross_entropy(logits, test_y).item()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, accuracy, test_loss
+
+
+def optimizer_recipe_by_hand(root, *, global_batch, micro_batch, epochs, lr, weight_decay, warmup, max_norm, ema_decay,
+                             seed=0):
+    """`python recipes/cifar.py --model tiny --augment none --optimizer adamw --schedule cosine --clip-grad-norm N
+    --ema-decay D`, written out: AdamW (betas 0.9, 0.999) with weight decay on weights but not biases; linear warm-up
+    over int(warmup x steps) steps, then cosine decay to lr/10; the summed gradient of each global batch's
+    micro-batches clipped to `max_norm` once per optimizer step; after each step the average of the weights moved
+    by min(D, (1 + t) / (10 + t)) towards them. Returns (final state dict, average, each step's norm before
+    clipping)."""
+    import math
+
+    train_x, train_y, _, _ = read_cifar10(root)
+    mean, std = torch.tensor(CIFAR_MEAN).view(-1, 1, 1), torch.tensor(CIFAR_STD).view(-1, 1, 1)
+    torch.manual_seed(seed)
+    model = tiny_net()
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay},
+                                   {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}], lr=lr)
+    accum, total = global_batch // micro_batch, epochs * (len(train_x) // global_batch)
+    warm = max(1, int(total * warmup))
+    average = {name: p.detach().clone() for name, p in model.named_parameters()}
+    norms = []
+    for step, batch in enumerate(b for epoch in range(epochs) for b in global_batches(epoch, global_batch, seed, len(train_x))):
+        for i in range(0, global_batch, micro_batch):
+            index = torch.tensor(batch[i:i + micro_batch])
+            x = (train_x[index].float() / 255 - mean) / std
+            (torch.nn.functional.cross_entropy(model(x), train_y[index]) / accum).backward()
+        progress = min(1.0, (step - warm) / max(1, total - warm))
+        factor = (step + 1) / warm if step < warm else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+        for group in optimizer.param_groups:
+            group["lr"] = lr * factor
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        decay = min(ema_decay, (1 + step) / (10 + step))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                average[name].mul_(decay).add_(p, alpha=1 - decay)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, average, norms

@@ -112,6 +112,8 @@ def _predict_parser(sub):
                    help="where the model runs (default: auto, cuda when available)")
     p.add_argument("--out", metavar="FILE", help="FILE.csv (path, class_1, prob_1, ...) or FILE.json (a list of "
                    "objects) (default: CSV to stdout, the accuracy line to stderr)")
+    p.add_argument("--average", action="store_true", help="the run's weight average (trained with --ema-decay) "
+                   "instead of its weights")
 
 
 def _export_parser(sub):
@@ -123,6 +125,8 @@ def _export_parser(sub):
                    "with their metadata, loadable with --weights)")
     p.add_argument("--out", metavar="PATH", help="the file to write (default: RUN_DIR/export/step-N.onnx|.pt|"
                    ".safetensors beside the checkpoints folder)")
+    p.add_argument("--average", action="store_true", help="the run's weight average (trained with --ema-decay) "
+                   "instead of its weights")
 
 
 class _Parser(StrictParser):

@@ -19,17 +19,33 @@ class _PatchOnImport:
         if fullname != self.mutation.module:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        exec_module = spec.loader.exec_module
+        loader = spec.loader
+        if callable(getattr(self.mutation.patch, "rewrite", None)):
+            # A recipe's loop: its source is rewritten before it is compiled, whether it is imported or run with
+            # `python -m recipes.NAME` (runpy asks the loader found here for the code).
+            def edited_code(name):
+                code = compile(self.mutation.patch.rewrite(loader.get_source(name)), loader.get_filename(name), "exec",
+                               dont_inherit=True)
+                _applied(fullname)
+                return code
+
+            loader.get_code = edited_code
+            return spec
+        exec_module = loader.exec_module
 
         def exec_and_patch(module):
             exec_module(module)
             self.mutation.patch(module)
-            if os.environ.get("TOOLKIT_MUTATION_LOG"):
-                with open(os.environ["TOOLKIT_MUTATION_LOG"], "a") as log:
-                    log.write(f"{NAME} applied to {fullname} in pid {os.getpid()}\n")
+            _applied(fullname)
 
-        spec.loader.exec_module = exec_and_patch
+        loader.exec_module = exec_and_patch
         return spec
+
+
+def _applied(fullname):
+    if os.environ.get("TOOLKIT_MUTATION_LOG"):
+        with open(os.environ["TOOLKIT_MUTATION_LOG"], "a") as log:
+            log.write(f"{NAME} applied to {fullname} in pid {os.getpid()}\n")
 
 
 if NAME:

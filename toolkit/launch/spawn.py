@@ -42,8 +42,19 @@ def _worker(index: int, fn, num_processes: int, port: int, forked: bool, args: t
         torch.set_num_threads(1)
     try:
         fn(*args)
+        _leave_group()
     except Exception as error:  # KeyboardInterrupt: torch's wrapper ends the worker quietly
         _report_failure(reports, index, error)
+
+
+def _leave_group():
+    """After `fn` returned on every rank, close the process group it left open: a worker whose gloo threads (and
+    the fsdp engine's device mesh) outlive it is aborted at exit ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _report_failure(reports: str, index: int, error: Exception):

@@ -139,12 +139,13 @@ def describe(trained: TrainedModel, kind: str, out: Path, how: str, difference: 
                         "max_abs_difference": difference, "tolerance": TOLERANCE}}
 
 
-def export(checkpoint, kind: str, out=None) -> tuple[Path, dict]:
-    """Export the model of `checkpoint` as `kind` to `out` (default_out when None), check it against PyTorch,
-    and write its description beside it as OUT.json; returns (out, the description)."""
+def export(checkpoint, kind: str, out=None, average: bool = False) -> tuple[Path, dict]:
+    """Export the model of `checkpoint` (with `average`, its weight average) as `kind` to `out` (default_out when
+    None), check it against PyTorch, and write its description beside it as OUT.json; returns (out, the
+    description)."""
     if kind not in FORMATS:
         raise UserError(f"Unknown export format {kind!r}; choose one of {', '.join(FORMATS)} with --format.")
-    trained = load_trained_model(checkpoint)
+    trained = load_trained_model(checkpoint, average=average)
     out = Path(out) if out else default_out(trained.checkpoint, kind)
     out.parent.mkdir(parents=True, exist_ok=True)
     exporter, compared = EXPORTERS[kind]
@@ -165,7 +166,7 @@ def _first_line(error: BaseException) -> str:
 
 def run_export(args) -> int:
     """`toolkit export CHECKPOINT --format onnx|torchscript|safetensors [--out PATH]`."""
-    out, about = export(args.checkpoint, args.format, args.out)
+    out, about = export(args.checkpoint, args.format, args.out, average=args.average)
     print(f"wrote {out} ({about['exported_with']}; {about['model']}, {len(about['classes'])} classes, "
           f"{about['input']['shape'][2]}x{about['input']['shape'][3]} inputs) and its preprocessing in "
           f"{out.name}.json; {EXPORTERS[args.format][1]} vs PyTorch on random batches of "

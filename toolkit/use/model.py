@@ -66,9 +66,9 @@ class TrainedModel:
     step: int | None
 
 
-def load_trained_model(path, device="cpu") -> TrainedModel:
+def load_trained_model(path, device="cpu", average: bool = False) -> TrainedModel:
     """The model of a recipe's checkpoint (a step-N folder, or a checkpoints root: its latest), verified, loaded
-    and in eval mode on `device`.
+    and in eval mode on `device`; with `average`, its parameters are the run's weight average (--ema-decay).
 
     >>> import tempfile
     >>> from toolkit.train.checkpoint import save_checkpoint
@@ -96,10 +96,25 @@ def load_trained_model(path, device="cpu") -> TrainedModel:
         model, classes, size, preprocessing, transform = _image_recipe_model(folder, config)
     else:
         model, classes, size, preprocessing, transform = _cifar_recipe_model(folder, config, weights)
+    if average:  # the averaged parameters over the saved ones; buffers (BatchNorm statistics) stay the model's
+        weights = {**strip_wrapper_prefixes(weights, model.state_dict()), **weight_average(folder)}
     load_model(model, weights)  # wrapper prefixes (DDP, DataParallel, torch.compile) stripped; a misfit is refused
     step = state.get("step")
     return TrainedModel(model.to(device).eval(), config["model"], classes, size, preprocessing, transform, folder,
                         step if isinstance(step, int) else None)
+
+
+def weight_average(folder: Path) -> dict:
+    """The weight average a run with --ema-decay saved in `folder` (its registered WeightEMA: parameter name ->
+    tensor); one sentence when the run kept none."""
+    from toolkit.engines.state_files import load_safe
+
+    for file in sorted(folder.glob("custom_checkpoint_*.pkl")):
+        state = load_safe(file)
+        if isinstance(state, dict) and {"decay", "updates", "average"} <= set(state):
+            return state["average"]
+    raise UserError(f"Checkpoint {folder} holds no weight average: its run was trained without --ema-decay; drop "
+                    "--average to use its weights.")
 
 
 def _read_model_weights(folder: Path) -> dict:

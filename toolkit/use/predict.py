@@ -114,7 +114,7 @@ def run_predict(args) -> int:
         raise UserError(f"--out {args.out} must end in .csv or .json.")
     if args.top_k < 1 or args.batch_size < 1:
         raise UserError("--top-k and --batch-size must be at least 1.")
-    trained = load_trained_model(args.checkpoint, pick_device(args.device))
+    trained = load_trained_model(args.checkpoint, pick_device(args.device), average=args.average)
     paths = image_paths(args.inputs)
     top_k = min(args.top_k, len(trained.classes))
     probabilities, indices = predict(trained, paths, top_k, args.batch_size)
