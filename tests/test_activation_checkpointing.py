@@ -192,8 +192,14 @@ def test_compile_goes_block_by_block_and_keeps_the_state_dict():
     """Module.compile in place: each unit keeps its type and names (nothing is traced until a forward runs)."""
     model = build_model("resnet18", 10)
     keys = list(model.state_dict())
-    compiled, _ = adapt_model(model, flags(ac=True, compile=True), types.SimpleNamespace(name="single"))
+    said = []
+    single = types.SimpleNamespace(name="single", print=said.append)
+    compiled, _ = adapt_model(model, flags(ac=True, compile=True), single)
     assert compiled is model and list(compiled.state_dict()) == keys
+    assert said == ["[toolkit] --activation-checkpointing: 8 blocks recompute their activations in backward"]
+    adapt_model(build_model("tiny", 10), flags(ac=True), single)
+    assert said[-1].endswith("the model has no blocks with layers inside (only lone layers, which keep their inputs "
+                             "anyway); nothing is recomputed")
     assert all(hasattr(block, "_compiled_call_impl") for block in model.layers)
     assert type(model.layers[0]).__name__ == "BasicBlock"  # the name Accelerate's FSDP profile wraps by
     whole, _ = adapt_model(build_model("resnet18", 10), flags(compile=True), types.SimpleNamespace(name="dp"))
