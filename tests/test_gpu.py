@@ -208,3 +208,25 @@ def test_the_accelerator_api_on_one_gpu_under_every_engine():
     need_gpus(1)
     proc = run([PY, ROOT / "tests" / "scripts" / "gpu_api_check.py"], timeout=400)
     assert proc.stdout.count("API OK") == 10 and "ALL OK" in proc.stdout, proc.stdout
+
+
+def test_fp16_clipping_logs_the_unscaled_norm_and_checkpointed_compiled_blocks_train_on_one_gpu(tmp_path):
+    """Issue 22 on a GPU: under fp16 the logged grad_norm is the unscaled gradients' (the same order as a bf16
+    run's, not 2**16 times it), and resnet9 with --activation-checkpointing --compile (per block, inductor) trains
+    with the weight average and evaluates it."""
+    need_gpus(1)
+    norms = {}
+    for precision in ("fp16", "bf16"):
+        out = tmp_path / precision
+        run([PY, CIFAR, *FAST, "--engine", "single", "--mixed-precision", precision, "--clip-grad-norm", 1.0,
+             "--output-dir", out], timeout=300)
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        norms[precision] = [row["grad_norm"] for row in rows if row["kind"] == "step"]
+    assert len(norms["fp16"]) == 6 and all(0 < n < 100 for n in norms["fp16"]), norms
+    assert norms["fp16"][0] == pytest.approx(norms["bf16"][0], rel=0.05), norms
+    out = tmp_path / "blocks"
+    run([PY, CIFAR, "--dataset", "synthetic", "--model", "resnet9", "--epochs", "1", "--max-steps", "8",
+         "--global-batch-size", "64", "--activation-checkpointing", "--compile", "--ema-decay", "0.9",
+         "--output-dir", out], timeout=600)
+    result = summary(out)
+    assert result["steps"] == 8 and "ema_test_accuracy" in result
