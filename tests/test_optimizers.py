@@ -6,7 +6,7 @@ The recipe runs as `python -m recipes.cifar` here, so that tests/mutations.py ca
 
 import pytest
 import torch
-from conftest import PY, ROOT, final_weights, max_weight_diff, read_json, run
+from conftest import PY, ROOT, TORCHRUN, final_weights, max_weight_diff, read_json, run
 from safetensors.torch import load_file
 
 from digits import write_digits_cifar
@@ -97,14 +97,16 @@ def test_adamw_cosine_matches_the_sgd_preset_on_digits_and_the_average_evaluates
 
 
 def test_a_frozen_backbone_stays_and_the_head_trains_at_head_lr(tmp_path):
-    """--freeze-backbone --head-lr 0.2 with --lr 1e-7: between two checkpoints the backbone's tensors are
-    unchanged bit for bit and the head's moved as far as lr 0.2 moves them (a head at the backbone's 1e-7 would
-    move by less than 1e-6)."""
+    """--freeze-backbone --head-lr 0.2 with --lr 1e-7, on 2 fsdp ranks (the backbone's parameter groups are empty:
+    the engine must still find the model): between two checkpoints the backbone's tensors are unchanged bit for bit
+    and the head's moved as far as lr 0.2 moves them (a head at the backbone's 1e-7 would move by less than 1e-6)."""
+    from toolkit.launch.launcher import free_port
+
     digits, out = write_digit_folders(tmp_path / "digits"), tmp_path / "run"
-    proc = run([PY, IMAGES, "--data-dir", digits, "--model", "toolkit:tiny", "--image-size", 32, "--global-batch-size",
-                64, "--augment", "none", "--workers", 0, "--optimizer", "sgd", "--lr", 1e-7, "--head-lr", 0.2,
-                "--warmup", 0, "--freeze-backbone", "--max-steps", 3, "--checkpoint-every", 1, "--keep", 5,
-                "--output-dir", out], timeout=240)
+    proc = run([*TORCHRUN, "--master_port", free_port(), IMAGES, "--engine", "fsdp", "--data-dir", digits, "--model",
+                "toolkit:tiny", "--image-size", 32, "--global-batch-size", 64, "--augment", "none", "--workers", 0,
+                "--optimizer", "sgd", "--lr", 1e-7, "--head-lr", 0.2, "--warmup", 0, "--freeze-backbone",
+                "--max-steps", 3, "--checkpoint-every", 1, "--keep", 5, "--output-dir", out], timeout=240)
     assert "--freeze-backbone: 1,392 backbone parameters fixed, 10,250 in the head trained" in proc.stdout
     first, last = (load_file(out / "checkpoints" / f"step-{s:08d}" / "model.safetensors") for s in (1, 3))
     moved = {name: (last[name] - first[name]).abs().max().item() for name in first}

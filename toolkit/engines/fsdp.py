@@ -284,7 +284,8 @@ class FSDPEngine(RawDDPEngine):
                             "replaces the parameters its state belongs to.")
         for group in optimizer.param_groups:
             group["params"] = [self._swapped.get(p, p) for p in group["params"]]
-        first = optimizer.param_groups[0]["params"][0]
+        # Its first parameter names its model; a group may be empty (a frozen backbone's, under --head-lr).
+        first = next((p for group in optimizer.param_groups for p in group["params"]), None)
         owners = [m for m in self._models if any(p is first for p in m.parameters())]
         if not owners:
             raise UserError("prepare the model together with (or before) its optimizer under the fsdp engine.")
