@@ -173,3 +173,23 @@ def test_under_a_grad_scaler_the_logged_norm_is_the_unscaled_gradients(monkeypat
     assert norm == pytest.approx(expected, rel=1e-5) and expected > 0.1
     assert model.weight.grad == pytest.approx(reference.weight.grad, rel=1e-5)
     optimizer.step()
+
+
+def test_a_resume_mid_run_restores_the_weight_average_and_the_optimizer_exactly(adamw_run, tmp_path):
+    """The AdamW + clipping + average run resumed from its step-4 checkpoint (end of epoch 1) ends with the
+    uninterrupted run's weights and average: the average's shadow and update count come back with load_state."""
+    import shutil
+
+    (data, out), resumed = adamw_run, tmp_path / "resumed"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-00000008")
+    (resumed / "checkpoints" / "latest").write_text("step-00000004")
+    (resumed / "summary.json").unlink()
+    run([PY, *CIFAR, "--dataset", "cifar10", "--data-dir", data, "--model", "tiny", "--augment", "none",
+         "--global-batch-size", 16, "--micro-batch-size", 8, "--epochs", 2, "--lr", 3e-3, "--weight-decay", 0.05,
+         "--warmup", 0.25, "--optimizer", "adamw", "--schedule", "cosine", "--clip-grad-norm", 0.5,
+         "--ema-decay", 0.9, "--output-dir", resumed, "--resume", "auto"], timeout=240)
+    final = lambda root: torch.load(root / "checkpoints" / "step-00000008" / "custom_checkpoint_2.pkl", weights_only=True)
+    assert final(resumed)["updates"] == final(out)["updates"] == 8
+    assert max_weight_diff(final(resumed)["average"], final(out)["average"]) <= 1e-6
+    assert max_weight_diff(final_weights(resumed, 8), final_weights(out, 8)) <= 1e-6
