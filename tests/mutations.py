@@ -64,6 +64,21 @@ def _confusion_from_rank0_shard(evaluation):
     evaluation.EvalMetrics._update_by_class = rank0_shard
 
 
+def _data_wait_in_compute(cost):
+    cost.StepCost.waited = lambda self, seconds: None  # the time blocked on the loader lands in compute
+
+
+def _peak_memory_of_rank_0(run):
+    def gathered_peak_memory(self):
+        import torch
+
+        mine = torch.tensor([run.peak_memory_bytes(self.accelerator.device)])
+        rank0 = self.accelerator.reduce(mine * (self.accelerator.process_index == 0), "sum")  # rank 0's, everywhere
+        return int(rank0), int(rank0)
+
+    run.TrainingRun.gathered_peak_memory = gathered_peak_memory
+
+
 def _optimizer_step_noop(base):
     base.PreparedOptimizer.step = lambda self, closure=None: None
 
@@ -180,6 +195,14 @@ MUTATIONS = {
         "toolkit.train.evaluation", _confusion_from_rank0_shard,
         ("tests/test_evaluation.py::test_two_gloo_ranks_count_what_one_process_counts",),
         "exact eval: the confusion matrix counts rank 0's shard of each gathered batch only"),
+    "data-wait-in-compute": Mutation(
+        "toolkit.train.cost", _data_wait_in_compute,
+        ("tests/test_cost.py::test_the_data_wait_is_the_time_blocked_on_the_loader_and_a_data_bound_run_is_said_once",),
+        "cost: the time blocked on the loader is counted as compute, so a data-bound run looks compute-bound"),
+    "peak-memory-of-rank-0": Mutation(
+        "toolkit.train.run", _peak_memory_of_rank_0,
+        ("tests/test_cost.py::test_the_peak_memory_is_gathered_from_every_rank",),
+        "cost: the peak memory reported is rank 0's, so a rank near its device's limit goes unseen"),
     "head-lr-ignored": Mutation(
         "toolkit.train.optim", _head_lr_ignored,
         (f"{OPTIMIZERS}::test_a_frozen_backbone_stays_and_the_head_trains_at_head_lr",),

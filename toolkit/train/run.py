@@ -29,6 +29,7 @@ from toolkit.errors import UserError, install_excepthook
 from toolkit.train.checkpoint import (checkpoint_folder, finish_checkpoint, latest_checkpoint, load_checkpoint,
                                       mark_best, read_state)
 from toolkit.train.config_changes import config_changes
+from toolkit.train.cost import StepCost, gib, peak_memory_bytes
 from toolkit.train.data_position import epoch_batches, resume_position
 from toolkit.train.divergence import DivergenceWatch
 from toolkit.train.records import RunRecorder, Throughput, check_fresh_output_dir
@@ -63,6 +64,7 @@ class TrainingRun:
                        "mixed_precision": accelerator.mixed_precision}
         self.step = self.epoch = self.batch = 0  # batch: micro-batches of `epoch` done, whole optimizer steps
         self.throughput = Throughput()
+        self.cost = StepCost()  # where the time goes: data wait, compute, checkpoint saving
         self.records = RunRecorder(cfg.output_dir, active=accelerator.is_main_process)
         # Earlier attempts (a resume's history, as of the checkpoint it resumed from), and where this one began.
         self.attempts, self.first_step = [], 0
@@ -72,6 +74,7 @@ class TrainingRun:
         self._progress = self._tick = self._resumed_from = None
         # --keep-best: the best evaluation so far {"metric", "value", "step", "folder"}, kept across a resume.
         self.best = None
+        self.peak_memory = None  # (least, most) over ranks, at the last evaluation
         # Loud warnings for a run that trains to nothing with exit 0: a schedule too short to start at the full lr
         # (said by `run.divergence.started(classes)` after the start line) and evaluations that diverge or stay at
         # chance; `warnings` holds those lines (the start-time one from here on), for the summary.
@@ -102,8 +105,13 @@ class TrainingRun:
             self._progress = tqdm(total=self.total_steps, initial=self.step, dynamic_ncols=True,
                                   disable=not self.accelerator.is_main_process)
         self._tick, epoch = time.perf_counter(), self.epoch
-        for batch, item in enumerate(epoch_batches(loader, epoch, self.batch), self.batch):
-            if batch >= self.micro_per_epoch or self.step >= self.total_steps or self.epoch != epoch:
+        self.cost.restart()
+        fetched = enumerate(epoch_batches(loader, epoch, self.batch), self.batch)
+        while True:
+            asked = time.perf_counter()
+            batch, item = next(fetched, (None, None))
+            self.cost.waited(time.perf_counter() - asked)  # the step's data wait: blocked on the loader
+            if batch is None or batch >= self.micro_per_epoch or self.step >= self.total_steps or self.epoch != epoch:
                 break
             yield item
 
@@ -115,10 +123,14 @@ class TrainingRun:
             self.epoch, self.batch = self.epoch + 1, 0
         now = time.perf_counter()
         self.throughput.step(self.plan.global_batch, now - self._tick)
+        split = self.cost.step(now - self._tick)  # data wait and compute (the step's time without saving)
         self._tick = now
+        if self.cost.warning and self.cost.warning not in self.warnings:  # the loader holds training up: once
+            self.warnings.append(self.cost.warning)
+            self.say(self.cost.warning)
         rate = self.throughput.images_per_s or 0.0
         self.records.log("step", step=self.step, epoch=self.epoch, loss=loss, lr=lr, images=self.images,
-                         images_per_s=round(rate, 1), **values)
+                         images_per_s=round(rate, 1), **values, **split)
         self._progress.set_postfix({"loss": f"{loss:.3f}", "lr": f"{lr:.3g}", f"{self.unit}/s": f"{rate:.0f}"},
                                    refresh=False)
         self._progress.update()
@@ -144,6 +156,10 @@ class TrainingRun:
         self.say(f"{label}: test accuracy {metrics['accuracy']:.4f}"
                  + (f", top-5 {metrics['top5_accuracy']:.4f}" if top5 else "")
                  + (f"; weight average (--ema-decay) {ema['ema_test_accuracy']:.4f}" if ema else ""))
+        self.peak_memory = self.gathered_peak_memory()
+        self.say(f"{label}: {self.cost.report()} of the time since the last evaluation · peak memory "
+                 + ("{} to {} per rank".format(*map(gib, self.peak_memory)) if self.peak_memory[0] != self.peak_memory[1]
+                    else f"{gib(self.peak_memory[1])}"))
         names = self.config.get("classes") or self.config.get("vocabulary")  # images.py's, lm.py's outputs
         self.divergence.check(metrics, final=self.step >= self.total_steps, classes=len(names) if names else None)
         if "confusion_matrix" in metrics and self.accelerator.is_main_process:
@@ -151,6 +167,12 @@ class TrainingRun:
         if self.cfg.keep_best:
             self._keep_best(metrics)
         return {"test_accuracy": metrics["accuracy"], **top5, "test_loss": metrics["loss"], **ema}
+
+    def gathered_peak_memory(self) -> tuple[int, int]:
+        """(least, most) peak memory of any rank (a collective: every rank calls it)."""
+        mine = torch.tensor([peak_memory_bytes(self.accelerator.device)], device=self.accelerator.device)
+        every = self.accelerator.gather(mine)
+        return int(every.min()), int(every.max())
 
     def _write_confusion(self, metrics: dict):
         """OUTPUT_DIR/confusion.png and confusion.json, this evaluation's (each evaluation replaces them)."""
@@ -207,8 +229,10 @@ class TrainingRun:
         beyond --keep are removed (main process); the save's time is not counted as training time."""
         if self.accelerator.is_main_process:
             finish_checkpoint(self.checkpoints, Path(folder), self.cfg.keep)
+        saving = time.perf_counter() - self._saving_at
+        self.cost.saved(saving)
         if self._tick is not None:
-            self._tick += time.perf_counter() - self._saving_at
+            self._tick += saving
 
     def state_dict(self) -> dict:
         return {"step": self.step, "epoch": self.epoch, "samples_in_epoch": self.batch * self.plan.micro_batch *
@@ -342,6 +366,8 @@ class TrainingRun:
         summary = self.records.summary(
             test_accuracy=metrics["accuracy"], test_loss=metrics["loss"], test_count=metrics["count"], **by_class,
             **average_figures(metrics), **({"best_checkpoint": self.best} if self.best else {}), steps=self.step,
+            time_split_s={part: round(seconds, 3) for part, seconds in self.cost.totals.items()},
+            peak_memory_bytes=dict(zip(("min_rank", "max_rank"), self.peak_memory or self.gathered_peak_memory())),
             images_per_s=overall_rate(attempts, plan.global_batch), warmup_s=round(sum(a["warmup_s"] for a in attempts), 3),
             warmup_steps=min(meter.steps, meter.warmup_steps), engine=accelerator.name,
             wall_time_s=round(sum(a["wall_time_s"] for a in attempts), 3), attempts=attempts,

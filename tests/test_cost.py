@@ -1,0 +1,104 @@
+"""Where a step's time and memory go (toolkit/train/cost.py, recorded by TrainingRun): each figure checked against
+an independent measurement, in one process with the single engine."""
+
+import csv
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+import toolkit
+from toolkit.train import TrainingConfig, TrainingRun, apply_preset, check_config, plan_batches
+from toolkit.train.cost import DATA_BOUND_STEPS, peak_memory_bytes
+
+DATA_S, COMPUTE_S = 0.08, 0.04  # what the sleeping loader and the sleeping "model" take per micro-batch
+
+
+@pytest.fixture(scope="module")
+def accelerator():
+    accelerator = toolkit.build_accelerator("single")
+    yield accelerator
+    accelerator.end_training()
+
+
+class SleepingLoader:
+    """A loader that takes DATA_S to hand out each batch, as a slow disk would."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __len__(self):
+        return self.batches
+
+    def __iter__(self):
+        for i in range(self.batches):
+            time.sleep(DATA_S)
+            yield i
+
+
+def test_the_data_wait_is_the_time_blocked_on_the_loader_and_a_data_bound_run_is_said_once(accelerator, tmp_path,
+                                                                                           capsys):
+    """A loader sleeping 80 ms per micro-batch and a step sleeping 40 ms per micro-batch (accumulation 2): the
+    steps' data_s add up to within 20% of 160 ms each and their compute_s of 80 ms; the run's totals and the epoch
+    line split the same way; with data over half of every step, one warning after 20 steps, kept in the run's warnings."""
+    cfg, _ = apply_preset(TrainingConfig(model="tiny", output_dir=str(tmp_path / "run"), seed=5))
+    cfg = check_config(replace(cfg, epochs=1))
+    plan = plan_batches(4, 1, 2)  # accumulation 2
+    steps = DATA_BOUND_STEPS + 2
+    run = TrainingRun(accelerator, cfg, plan, batches_per_epoch=2 * steps)
+    for _ in run.epochs():
+        for i, _ in enumerate(run.batches(SleepingLoader(2 * steps))):
+            time.sleep(COMPUTE_S)
+            if i % 2 == 1:
+                run.step_done(loss=1.0, lr=0.1)
+    with open(tmp_path / "run" / "steps.csv") as f:
+        rows = [{k: float(v) for k, v in row.items() if k.endswith("_s")} for row in csv.DictReader(f)]
+    data = [row["data_s"] for row in rows]
+    compute = [row["compute_s"] for row in rows]
+    print(f"per step: data {min(data):.4f}-{max(data):.4f} s, compute {min(compute):.4f}-{max(compute):.4f} s")
+    assert sum(data) == pytest.approx(steps * 2 * DATA_S, rel=0.2)  # sleeps overshoot a little on a busy machine
+    assert sum(compute) == pytest.approx(steps * 2 * COMPUTE_S, rel=0.2)
+    assert run.cost.totals["data"] == pytest.approx(sum(data), abs=1e-3)
+    share = int(run.cost.report().split("%")[0].removeprefix("data "))
+    assert len(rows) == steps and 55 <= share <= 75, share  # 160 of every 240 ms: 67%
+    warnings = [w for w in run.warnings if "waiting for data" in w]
+    assert len(warnings) == 1 and "--loader memory" in warnings[0]
+    assert capsys.readouterr().out.count("waiting for data took over 50%") == 1
+
+
+def test_the_peak_memory_rises_with_a_tensor_the_process_holds():
+    before = peak_memory_bytes(torch.device("cpu"))
+    held = torch.ones(64 * 2 ** 20, dtype=torch.float32)  # 256 MiB, written so its pages are resident
+    after = peak_memory_bytes(torch.device("cpu"))
+    print(f"peak RSS {before / 2 ** 20:.0f} -> {after / 2 ** 20:.0f} MiB with a 256 MiB tensor")
+    assert after - before >= 200 * 2 ** 20 and held.sum() > 0
+
+
+def peaks_on_ranks(out_dir: str):
+    """A toolkit.spawn worker: rank 1 holds 512 MiB more than rank 0; rank 0 writes what the run gathered."""
+    import json
+    from pathlib import Path
+
+    accelerator = toolkit.build_accelerator()
+    cfg, _ = apply_preset(TrainingConfig(model="tiny", output_dir=str(Path(out_dir) / "run"), seed=5))
+    run = TrainingRun(accelerator, check_config(cfg), plan_batches(4, 2, 2), batches_per_epoch=4)
+    held = torch.ones(128 * 2 ** 20 if accelerator.process_index == 1 else 1)  # 512 MiB on rank 1
+    own = peak_memory_bytes(accelerator.device)
+    least, most = run.gathered_peak_memory()
+    owns = accelerator.gather(torch.tensor([own]))
+    if accelerator.is_main_process:
+        (Path(out_dir) / "peaks.json").write_text(json.dumps({"least": least, "most": most, "owns": owns.tolist(),
+                                                              "held": float(held.sum())}))
+
+
+def test_the_peak_memory_is_gathered_from_every_rank(tmp_path):
+    """Two gloo ranks, one holding 512 MiB more: the run's (least, most) are the two ranks' own peaks, not rank
+    0's twice."""
+    import json
+
+    toolkit.spawn(peaks_on_ranks, 2, str(tmp_path), start_method="spawn")
+    peaks = json.loads((tmp_path / "peaks.json").read_text())
+    print(f"peaks per rank {[p / 2 ** 20 for p in peaks['owns']]} MiB")
+    assert (peaks["least"], peaks["most"]) == (min(peaks["owns"]), max(peaks["owns"]))
+    assert peaks["owns"][1] - peaks["owns"][0] >= 400 * 2 ** 20

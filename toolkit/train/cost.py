@@ -1,0 +1,88 @@
+"""Where a run's time and memory go: each optimizer step's wall time split into data wait (blocked on the loader:
+`run.batches` times each fetch), compute (the rest of the step: forward, backward, the optimizer, logging) and,
+apart, checkpoint saving; the process's peak memory; and a warning, once, when the loader holds training up.
+
+    >>> cost = StepCost()
+    >>> cost.waited(0.25); cost.step(1.0)
+    {'data_s': 0.25, 'compute_s': 0.75}
+    >>> cost.saved(1.0); cost.report()
+    'data 12% · compute 38% · checkpoint 50%'
+"""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+DATA_BOUND_SHARE, DATA_BOUND_STEPS = 0.5, 20  # the warning: data wait over half of each of 20 steps in a row
+PARTS = ("data", "compute", "checkpoint")
+
+
+class StepCost:
+    """Seconds per part since the start (`totals`) and since the last `report()`; `warning` is set, once, when the
+    data wait exceeded DATA_BOUND_SHARE of DATA_BOUND_STEPS consecutive steps."""
+
+    def __init__(self):
+        self.totals = dict.fromkeys(PARTS, 0.0)
+        self._since = dict.fromkeys(PARTS, 0.0)
+        self._waiting = 0.0  # this step's data wait so far
+        self._bound_steps, self.warning, self._warned = 0, None, False
+
+    def restart(self):
+        """A new epoch's first step starts here: a fetch past the last one's end is not its wait."""
+        self._waiting = 0.0
+
+    def waited(self, seconds: float):
+        """Time the loop was blocked on the loader for one micro-batch of this step."""
+        self._waiting += seconds
+
+    def step(self, seconds: float) -> dict:
+        """An optimizer step that took `seconds` (checkpoint saving excluded): its split, for the step's row."""
+        data = min(self._waiting, seconds)
+        self._waiting = 0.0
+        self._add("data", data)
+        self._add("compute", seconds - data)
+        self._bound_steps = self._bound_steps + 1 if seconds > 0 and data / seconds > DATA_BOUND_SHARE else 0
+        if self._bound_steps >= DATA_BOUND_STEPS and not self._warned:
+            self._warned = True
+            self.warning = (f"[toolkit] warning: waiting for data took over {DATA_BOUND_SHARE:.0%} of each of the last "
+                            f"{DATA_BOUND_STEPS} optimizer steps: the loader holds training up; try --loader memory "
+                            "(recipes/cifar.py), more --workers, or a faster disk")
+        return {"data_s": round(data, 6), "compute_s": round(seconds - data, 6)}
+
+    def saved(self, seconds: float):
+        """A checkpoint save that took `seconds`."""
+        self._add("checkpoint", seconds)
+
+    def _add(self, part: str, seconds: float):
+        self.totals[part] += seconds
+        self._since[part] += seconds
+
+    def report(self) -> str:
+        """The shares of each part since the last report, as one line's start; then counts afresh."""
+        total = sum(self._since.values())
+        line = " · ".join(f"{part} {self._since[part] / total if total else 0:.0%}" for part in PARTS)
+        self._since = dict.fromkeys(PARTS, 0.0)
+        return line
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """The most memory this process has held: on a GPU the tensors torch allocated there
+    (torch.cuda.max_memory_allocated), elsewhere the process's peak resident set: Linux's VmHWM (this program's
+    own; getrusage's ru_maxrss would carry a launcher's peak over exec), else getrusage."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux, bytes on macOS
+
+
+def gib(n: float) -> str:
+    """
+    >>> gib(3.3e9)
+    '3.1 GiB'
+    """
+    return f"{n / 2 ** 30:.1f} GiB"
