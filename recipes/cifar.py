@@ -31,8 +31,8 @@ from toolkit.data import DATASET_CHOICES, load_data
 from toolkit.data.memory import AUGMENTATIONS, MemoryLoader, build_torch_loader, normalize
 from toolkit.models.nets import MODELS, build_model
 from toolkit.train import (EvalMetrics, TrainingConfig, TrainingRun, WeightEMA, adapt_model, apply_preset,
-                           average_batchnorm_stats, build_optimizer, check_config, decay_groups, lr_schedule,
-                           plan_batches, run_guard)
+                           average_batchnorm_stats, build_optimizer, check_config, decay_groups, flops_per_sample,
+                           lr_schedule, plan_batches, run_guard)
 
 
 @dataclass
@@ -89,10 +89,12 @@ def main(argv=None):
         data = load_data(cfg.dataset, cfg.data_dir, cfg.seed)
     train_loader, test_loader = build_loaders(cfg, data, accelerator, plan.micro_batch)
 
-    model, average_bn = adapt_model(build_model(cfg.model, data.num_classes), cfg, accelerator)
+    model = build_model(cfg.model, data.num_classes)
+    flops = flops_per_sample(model, torch.zeros(1, 3, 32, 32))  # one image's forward and backward, for MFU
+    model, average_bn = adapt_model(model, cfg, accelerator)
     optimizer = build_optimizer(cfg.optimizer, decay_groups(model, cfg.weight_decay), lr=cfg.lr)  # sgd or adamw
     model, optimizer = accelerator.prepare(model, optimizer)
-    run = TrainingRun(accelerator, cfg, plan, batches_per_epoch=len(train_loader))
+    run = TrainingRun(accelerator, cfg, plan, batches_per_epoch=len(train_loader), flops_per_sample=flops)
     # Stepped once per optimizer step below (a prepared one ticks once per process), saved with the state.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg.schedule, run.total_steps, cfg.warmup))
     ema = WeightEMA(model, cfg.ema_decay, accelerator) if cfg.ema_decay else None  # --ema-decay: averaged weights

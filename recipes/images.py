@@ -32,8 +32,8 @@ from toolkit.models.timm_models import is_timm_model
 from toolkit.models.vision import (TOOLKIT_PREFIX, build_image_model, freeze_backbone, head_parameter_names,
                                    is_torchvision_model)
 from toolkit.train import (EvalMetrics, TrainingConfig, TrainingRun, WeightEMA, adapt_model, apply_preset,
-                           average_batchnorm_stats, build_optimizer, check_config, decay_groups, lr_schedule,
-                           plan_batches, run_guard)
+                           average_batchnorm_stats, build_optimizer, check_config, decay_groups, flops_per_sample,
+                           lr_schedule, plan_batches, run_guard)
 
 
 @dataclass
@@ -114,12 +114,14 @@ def main(argv=None):
         data = open_images(cfg.data_dir, cache_dir=cfg.output_dir)
     train_loader, val_loader = build_loaders(cfg, data, accelerator, plan.micro_batch)
 
-    model, average_bn = adapt_model(image_model(cfg, len(data.classes), accelerator.print), cfg, accelerator)
+    model = image_model(cfg, len(data.classes), accelerator.print)
+    flops = flops_per_sample(model, torch.zeros(1, 3, cfg.image_size, cfg.image_size))  # one image's, for MFU
+    model, average_bn = adapt_model(model, cfg, accelerator)
     # sgd or adamw; the classifier head at --head-lr when given (a frozen backbone has no parameters to train)
     groups = decay_groups(model, cfg.weight_decay, head=head_parameter_names(model), head_lr=cfg.head_lr)
     optimizer = build_optimizer(cfg.optimizer, groups, lr=cfg.lr)
     model, optimizer = accelerator.prepare(model, optimizer)
-    run = TrainingRun(accelerator, cfg, plan, batches_per_epoch=len(train_loader))
+    run = TrainingRun(accelerator, cfg, plan, batches_per_epoch=len(train_loader), flops_per_sample=flops)
     run.config["classes"] = data.classes  # saved with every checkpoint: the model's outputs, named
     # Stepped once per optimizer step below (a prepared one ticks once per process), saved with the state.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg.schedule, run.total_steps, cfg.warmup))

@@ -23,8 +23,8 @@ import toolkit
 from toolkit.data.text import GENESIS, WindowLoader, load_text, window_dataset
 from toolkit.models.gpt import GPT_SIZES, build_gpt
 from toolkit.train import (EvalMetrics, TrainingConfig, TrainingRun, WeightEMA, adapt_model, apply_preset,
-                           build_optimizer,
-                           check_config, decay_groups, lr_schedule, plan_batches, run_guard)
+                           build_optimizer, check_config, decay_groups, flops_per_sample, lr_schedule, plan_batches,
+                           run_guard)
 
 
 @dataclass
@@ -69,11 +69,14 @@ def main(argv=None):
     val_loader = accelerator.prepare(DataLoader(window_dataset(text.val, block_size), plan.micro_batch))
 
     # --activation-checkpointing, then --compile, block by block (before prepare: fsdp then shards each block)
-    model, _ = adapt_model(build_gpt(cfg.model, text.vocab_size, block_size=block_size), cfg, accelerator)
+    model = build_gpt(cfg.model, text.vocab_size, block_size=block_size)
+    flops = flops_per_sample(model, torch.zeros(1, block_size, dtype=torch.long))  # one sequence's, for MFU
+    model, _ = adapt_model(model, cfg, accelerator)
     # adamw (the preset's; beta2 0.99 as nanoGPT's small character model) or sgd
     optimizer = build_optimizer(cfg.optimizer, decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.99))
     model, optimizer = accelerator.prepare(model, optimizer)
-    run = TrainingRun(accelerator, cfg, plan, batches_per_epoch=len(train_loader), unit="sequences")
+    run = TrainingRun(accelerator, cfg, plan, batches_per_epoch=len(train_loader), unit="sequences",
+                      flops_per_sample=flops)
     run.config["vocabulary"] = text.chars  # saved with every checkpoint: what each output means
     # Stepped once per optimizer step below (a prepared one ticks once per process), saved with the state.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg.schedule, run.total_steps, cfg.warmup))

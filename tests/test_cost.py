@@ -102,3 +102,30 @@ def test_the_peak_memory_is_gathered_from_every_rank(tmp_path):
     print(f"peaks per rank {[p / 2 ** 20 for p in peaks['owns']]} MiB")
     assert (peaks["least"], peaks["most"]) == (min(peaks["owns"]), max(peaks["owns"]))
     assert peaks["owns"][1] - peaks["owns"][0] >= 400 * 2 ** 20
+
+
+def test_the_flops_of_a_linear_layer_are_two_in_out_per_sample_each_way():
+    """One sample through Linear(in, out): 2*in*out multiply-adds forward, as many for the weight's gradient (the
+    input needs none), the same per sample at any batch; a conv net's count is the sum over its layers."""
+    from toolkit.train import flops_per_sample
+
+    for batch in (1, 5):
+        assert flops_per_sample(torch.nn.Linear(96, 24), torch.zeros(batch, 96)) == 2 * (2 * 96 * 24)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    # forward 2*8*16 + 2*16*4; backward: both weights' gradients, and the input gradient of the second layer
+    assert flops_per_sample(net, torch.zeros(3, 8)) == 2 * (2 * 8 * 16 + 2 * 16 * 4) + 2 * 16 * 4
+
+
+def test_mfu_is_the_models_flop_rate_over_the_stated_peak_and_unknown_without_one(accelerator, tmp_path):
+    cfg, _ = apply_preset(TrainingConfig(model="tiny", output_dir=str(tmp_path / "run"), seed=5, peak_tflops=1e-6))
+    run = TrainingRun(accelerator, check_config(replace(cfg, epochs=1)), plan_batches(4, 1, 4), batches_per_epoch=12,
+                      flops_per_sample=100)
+    for _ in run.epochs():
+        for _ in run.batches(range(12)):
+            time.sleep(0.01)
+            run.step_done(loss=1.0, lr=0.1)
+    rate = run.throughput.images_per_s
+    assert run.mfu() == pytest.approx(100 * rate / 1e6, abs=1e-4) and 0 < run.mfu()
+    unknown = TrainingRun(accelerator, check_config(replace(cfg, peak_tflops=None, resume="auto")), plan_batches(4, 1, 4),
+                          batches_per_epoch=12, flops_per_sample=100)
+    assert unknown.peak_flops is None and unknown.mfu() is None  # a CPU has no listed peak: no guess

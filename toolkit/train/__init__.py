@@ -7,6 +7,7 @@ stands and what it records (`run`, `records`), what stops it cleanly (`guard`), 
 from toolkit.train.batching import BatchPlan, plan_batches
 from toolkit.train.batchnorm import adapt_model, average_batchnorm_stats, sync_batchnorm
 from toolkit.train.config import TrainingConfig, check_config
+from toolkit.train.cost import flops_per_sample
 from toolkit.train.ema import WeightEMA
 from toolkit.train.evaluation import EvalMetrics
 from toolkit.train.guard import run_guard
@@ -15,5 +16,5 @@ from toolkit.train.presets import apply_preset
 from toolkit.train.run import TrainingRun
 
 __all__ = ["BatchPlan", "TrainingConfig", "TrainingRun", "WeightEMA", "adapt_model", "apply_preset", "average_batchnorm_stats", "check_config",
-           "build_optimizer", "decay_groups", "EvalMetrics", "lr_schedule", "plan_batches", "run_guard", "sync_batchnorm", "warmup_cosine",
+           "build_optimizer", "decay_groups", "EvalMetrics", "flops_per_sample", "lr_schedule", "plan_batches", "run_guard", "sync_batchnorm", "warmup_cosine",
            "warmup_linear_decay"]

@@ -65,6 +65,8 @@ class TrainingConfig:
     timeout: float = field(default=300.0, metadata={"help": "seconds a collective waits for a silent peer"})
     log_with: str | None = field(default=None, metadata={"help": "experiment trackers, comma-separated: tensorboard, "
                                  "trackio, jsonl, csv or all (written to OUTPUT_DIR/logs by the main process)"})
+    peak_tflops: float | None = field(default=None, metadata={"help": "the peak TFLOP/s of one device, for MFU "
+                                      "(default: a table of known GPUs; unknown on a CPU)"})
     skip_nonfinite: bool = field(default=False, metadata={"help": "skip steps whose loss is NaN/inf, not stop"})
 
     @property

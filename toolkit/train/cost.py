@@ -86,3 +86,56 @@ def gib(n: float) -> str:
     '3.1 GiB'
     """
     return f"{n / 2 ** 30:.1f} GiB"
+
+
+# Dense peak TFLOP/s per device for bf16/fp16 tensor-core math (fp32 in parentheses where it differs), from the
+# vendors' datasheets (without sparsity). A device not listed has no MFU ("unknown") unless --peak-tflops says.
+PEAK_TFLOPS = {  # name fragment (torch.cuda.get_device_name) -> (bf16/fp16, fp32)
+    "H200": (989.0, 67.0), "H100": (989.0, 67.0), "A100": (312.0, 19.5), "L40S": (362.0, 91.6),
+    "A10G": (70.0, 35.0), "L4": (121.0, 30.3), "V100": (125.0, 15.7), "T4": (65.0, 8.1),
+}
+
+
+def flops_per_sample(model: torch.nn.Module, example: torch.Tensor) -> int:
+    """FLOPs of one training step's forward and backward on ONE sample, counted by torch's FlopCounterMode (matrix
+    multiplies and convolutions) on `example` (a batch of one); in eval mode, so BatchNorm's statistics stay, and
+    the gradients it made are dropped. Call it before prepare (no collectives, no compilation).
+
+    >>> flops_per_sample(torch.nn.Linear(8, 4), torch.zeros(1, 8))  # forward 2*8*4, the weight's gradient as many
+    128
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    training = model.training
+    model.eval()
+    try:
+        with FlopCounterMode(display=False) as counter:
+            model(example).float().sum().backward()
+    finally:
+        model.train(training)
+        for parameter in model.parameters():
+            parameter.grad = None
+    return int(counter.get_total_flops()) // len(example)
+
+
+def peak_flops(device: torch.device, precision: str, override_tflops: float | None) -> float | None:
+    """The device's peak FLOP/s at the run's precision: --peak-tflops when given, else PEAK_TFLOPS by name; None
+    (unknown) for a CPU or an unlisted GPU."""
+    if override_tflops:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    found = next((peaks for fragment, peaks in PEAK_TFLOPS.items() if fragment in name), None)
+    return None if found is None else found[0 if precision in ("bf16", "fp16") else 1] * 1e12
+
+
+def mfu(flops_per_sample: int | None, samples_per_s: float | None, world_size: int, peak: float | None) -> float | None:
+    """Model FLOP utilisation: the model's FLOP rate over every process's peak; None when a figure is unknown.
+
+    >>> mfu(600, 1e9, world_size=2, peak=1e12)
+    0.3
+    """
+    if not (flops_per_sample and samples_per_s and peak):
+        return None
+    return round(flops_per_sample * samples_per_s / (peak * world_size), 4)

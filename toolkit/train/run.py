@@ -29,7 +29,7 @@ from toolkit.errors import UserError, install_excepthook
 from toolkit.train.checkpoint import (checkpoint_folder, finish_checkpoint, latest_checkpoint, load_checkpoint,
                                       mark_best, read_state)
 from toolkit.train.config_changes import config_changes
-from toolkit.train.cost import StepCost, gib, peak_memory_bytes
+from toolkit.train.cost import StepCost, gib, mfu, peak_flops, peak_memory_bytes
 from toolkit.train.data_position import epoch_batches, resume_position
 from toolkit.train.divergence import DivergenceWatch
 from toolkit.train.records import RunRecorder, Throughput, check_fresh_output_dir
@@ -46,7 +46,8 @@ class TrainingRun:
     epoch done), its records and its checkpoints' names. Registered for checkpointing, it saves its position and
     the resolved config (`state_dict`, also merged into state.json) and restores it (`load_state_dict`)."""
 
-    def __init__(self, accelerator, cfg, plan, batches_per_epoch: int, unit: str = "images"):
+    def __init__(self, accelerator, cfg, plan, batches_per_epoch: int, unit: str = "images",
+                 flops_per_sample: int | None = None):
         self.accelerator, self.cfg, self.plan, self.env = accelerator, cfg, plan, accelerator.env
         self.unit = unit  # what a sample is, in what the run prints (the records' columns say images)
         self.restarts = agreed_restart_count(accelerator)
@@ -65,6 +66,9 @@ class TrainingRun:
         self.step = self.epoch = self.batch = 0  # batch: micro-batches of `epoch` done, whole optimizer steps
         self.throughput = Throughput()
         self.cost = StepCost()  # where the time goes: data wait, compute, checkpoint saving
+        # For MFU: one sample's forward and backward FLOPs (cost.flops_per_sample) and one device's peak FLOP/s.
+        self.flops_per_sample = flops_per_sample
+        self.peak_flops = peak_flops(accelerator.device, accelerator.mixed_precision, getattr(cfg, "peak_tflops", None))
         self.records = RunRecorder(cfg.output_dir, active=accelerator.is_main_process)
         # Earlier attempts (a resume's history, as of the checkpoint it resumed from), and where this one began.
         self.attempts, self.first_step = [], 0
@@ -157,9 +161,11 @@ class TrainingRun:
                  + (f", top-5 {metrics['top5_accuracy']:.4f}" if top5 else "")
                  + (f"; weight average (--ema-decay) {ema['ema_test_accuracy']:.4f}" if ema else ""))
         self.peak_memory = self.gathered_peak_memory()
+        utilisation = self.mfu()
         self.say(f"{label}: {self.cost.report()} of the time since the last evaluation · peak memory "
                  + ("{} to {} per rank".format(*map(gib, self.peak_memory)) if self.peak_memory[0] != self.peak_memory[1]
-                    else f"{gib(self.peak_memory[1])}"))
+                    else f"{gib(self.peak_memory[1])}")
+                 + (f" · MFU {utilisation:.0%}" if utilisation is not None else " · MFU unknown"))
         names = self.config.get("classes") or self.config.get("vocabulary")  # images.py's, lm.py's outputs
         self.divergence.check(metrics, final=self.step >= self.total_steps, classes=len(names) if names else None)
         if "confusion_matrix" in metrics and self.accelerator.is_main_process:
@@ -167,6 +173,11 @@ class TrainingRun:
         if self.cfg.keep_best:
             self._keep_best(metrics)
         return {"test_accuracy": metrics["accuracy"], **top5, "test_loss": metrics["loss"], **ema}
+
+    def mfu(self) -> float | None:
+        """The model FLOP utilisation so far (the throughput after warm-up), None when a figure is unknown."""
+        return mfu(self.flops_per_sample, self.throughput.images_per_s, self.accelerator.num_processes,
+                   self.peak_flops)
 
     def gathered_peak_memory(self) -> tuple[int, int]:
         """(least, most) peak memory of any rank (a collective: every rank calls it)."""
@@ -368,6 +379,7 @@ class TrainingRun:
             **average_figures(metrics), **({"best_checkpoint": self.best} if self.best else {}), steps=self.step,
             time_split_s={part: round(seconds, 3) for part, seconds in self.cost.totals.items()},
             peak_memory_bytes=dict(zip(("min_rank", "max_rank"), self.peak_memory or self.gathered_peak_memory())),
+            flops_per_sample=self.flops_per_sample, mfu=self.mfu(),
             images_per_s=overall_rate(attempts, plan.global_batch), warmup_s=round(sum(a["warmup_s"] for a in attempts), 3),
             warmup_steps=min(meter.steps, meter.warmup_steps), engine=accelerator.name,
             wall_time_s=round(sum(a["wall_time_s"] for a in attempts), 3), attempts=attempts,
