@@ -100,12 +100,15 @@ def test_toolkit_compare_tabulates_and_plots_the_runs(digits_runs, tmp_path):
     proc = run(TOOLKIT + ["compare", *folders, "--plot", plot])
     lines = proc.stdout.splitlines()
     assert lines[0].split() == ["run", "engine", "processes", "global", "batch", "micro", "x", "accum", "accuracy",
-                                "images/s", "wall", "s"]
+                                "images/s", "wall", "s", "data", "peak", "GiB", "MFU"]
     for (out, _, summary), line in zip(digits_runs.values(), lines[1:4]):
         cells = re.split(r"\s{2,}", line)
         assert cells[:5] == [str(out), summary["engine"], str(summary["world_size"]), "64",
                              f"{summary['micro_batch_size']} x 1"], line
         assert cells[5] == f"{summary['test_accuracy']:.4f}"
+        split = summary["time_split_s"]
+        assert cells[8:] == [f"{split['data'] / sum(split.values()):.0%}",
+                             f"{summary['peak_memory_bytes']['max_rank'] / 2 ** 30:.1f}", "-"], line  # MFU: a CPU
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
 
 

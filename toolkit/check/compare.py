@@ -4,8 +4,9 @@
 
 It reads what each run wrote (summary.json, steps.csv, epochs.csv), overlays their step loss and test
 accuracy against images seen in one PNG, and prints one row per run: engine, processes, global batch,
-micro-batch x accumulation, final accuracy, images/s and wall time. Runs trained with the same global
-batch should lie on top of each other whatever their process counts.
+micro-batch x accumulation, final accuracy, images/s, wall time, the data wait's share of the time, the largest
+rank's peak memory and MFU. Runs trained with the same global batch should lie on top of each other whatever their
+process counts.
 """
 
 from __future__ import annotations
@@ -72,14 +73,31 @@ def check_summary(summary, file: Path) -> dict:
     return summary
 
 
+def cost_cells(s: dict) -> tuple[str, str, str]:
+    """(the data wait's share of the run's time, the largest rank's peak memory in GiB, MFU) from a summary; "-"
+    where the run did not record it (an older toolkit's) or it is unknown.
+
+    >>> cost_cells({"time_split_s": {"data": 1.0, "compute": 3.0, "checkpoint": 0.0}, "mfu": 0.381,
+    ...             "peak_memory_bytes": {"min_rank": 1, "max_rank": 3 * 2 ** 30}})
+    ('25%', '3.0', '38%')
+    """
+    split, peak, mfu = s.get("time_split_s"), s.get("peak_memory_bytes"), s.get("mfu")
+    total = sum(v for v in split.values() if _number(v)) if isinstance(split, dict) else 0
+    data = f"{split.get('data', 0) / total:.0%}" if total and _number(split.get("data")) else "-"
+    memory = f"{peak['max_rank'] / 2 ** 30:.1f}" if isinstance(peak, dict) and _number(peak.get("max_rank")) else "-"
+    return data, memory, f"{mfu:.0%}" if _number(mfu) else "-"
+
+
 def table(runs: list[RunRecord]) -> str:
-    head = ("run", "engine", "processes", "global batch", "micro x accum", "accuracy", "images/s", "wall s")
+    head = ("run", "engine", "processes", "global batch", "micro x accum", "accuracy", "images/s", "wall s", "data",
+            "peak GiB", "MFU")
     rows = [head]
     for run in runs:
         s = run.summary
         micro = f"{s.get('micro_batch_size', '?')} x {s.get('gradient_accumulation', '?')}"
         rows.append((str(run.path), str(s.get("engine")), str(s.get("world_size")), str(run.global_batch), micro,
-                     f"{s['test_accuracy']:.4f}", f"{s.get('images_per_s') or 0:.0f}", f"{s.get('wall_time_s', 0):.1f}"))
+                     f"{s['test_accuracy']:.4f}", f"{s.get('images_per_s') or 0:.0f}", f"{s.get('wall_time_s', 0):.1f}",
+                     *cost_cells(s)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 
