@@ -81,8 +81,12 @@ def peaks_on_ranks(out_dir: str):
     from pathlib import Path
 
     accelerator = toolkit.build_accelerator()
-    cfg, _ = apply_preset(TrainingConfig(model="tiny", output_dir=str(Path(out_dir) / "run"), seed=5))
+    cfg, _ = apply_preset(TrainingConfig(model="tiny", output_dir=str(Path(out_dir) / "run"), seed=5,
+                                         profile_steps="1:1"))
     run = TrainingRun(accelerator, check_config(cfg), plan_batches(4, 2, 2), batches_per_epoch=4)
+    for _, _ in zip(range(2), run.batches(range(4))):  # two steps, the first profiled on each rank
+        torch.ones(64, 64) @ torch.ones(64, 64)
+        run.step_done(loss=1.0, lr=0.1)
     held = torch.ones(128 * 2 ** 20 if accelerator.process_index == 1 else 1)  # 512 MiB on rank 1
     own = peak_memory_bytes(accelerator.device)
     least, most = run.gathered_peak_memory()
@@ -94,7 +98,7 @@ def peaks_on_ranks(out_dir: str):
 
 def test_the_peak_memory_is_gathered_from_every_rank(tmp_path):
     """Two gloo ranks, one holding 512 MiB more: the run's (least, most) are the two ranks' own peaks, not rank
-    0's twice."""
+    0's twice; and --profile-steps writes a trace on each rank."""
     import json
 
     toolkit.spawn(peaks_on_ranks, 2, str(tmp_path), start_method="spawn")
@@ -102,6 +106,8 @@ def test_the_peak_memory_is_gathered_from_every_rank(tmp_path):
     print(f"peaks per rank {[p / 2 ** 20 for p in peaks['owns']]} MiB")
     assert (peaks["least"], peaks["most"]) == (min(peaks["owns"]), max(peaks["owns"]))
     assert peaks["owns"][1] - peaks["owns"][0] >= 400 * 2 ** 20
+    traces = sorted(p.name for p in (tmp_path / "run" / "profile").glob("trace-*.json"))
+    assert traces == ["trace-rank0-steps1-1.json", "trace-rank1-steps1-1.json"]  # --profile-steps on every rank
 
 
 def test_the_flops_of_a_linear_layer_are_two_in_out_per_sample_each_way():
@@ -129,3 +135,25 @@ def test_mfu_is_the_models_flop_rate_over_the_stated_peak_and_unknown_without_on
     unknown = TrainingRun(accelerator, check_config(replace(cfg, peak_tflops=None, resume="auto")), plan_batches(4, 1, 4),
                           batches_per_epoch=12, flops_per_sample=100)
     assert unknown.peak_flops is None and unknown.mfu() is None  # a CPU has no listed peak: no guess
+
+
+def test_profile_steps_trace_exactly_the_steps_asked_for_and_name_the_top_ops(accelerator, tmp_path, capsys):
+    """--profile-steps 2:3 over 4 steps of matrix products: one Chrome trace for this rank holding the steps' aten
+    ops, and the top-10 table in the log and in profile/top-ops.txt; a window written once, not before step 2."""
+    import json
+
+    cfg, _ = apply_preset(TrainingConfig(model="tiny", output_dir=str(tmp_path / "run"), seed=5, profile_steps="2:3"))
+    run = TrainingRun(accelerator, check_config(replace(cfg, epochs=1)), plan_batches(4, 1, 4), batches_per_epoch=4)
+    weights, traced_at = torch.randn(256, 256), []
+    for _ in run.epochs():
+        for _ in run.batches(range(4)):
+            (weights @ weights).sum()
+            run.step_done(loss=1.0, lr=0.1)
+            traced_at.append(sorted(p.name for p in (tmp_path / "run" / "profile").glob("*")))
+    assert traced_at[:2] == [[], []] and traced_at[2] == traced_at[3] == ["top-ops.txt", "trace-rank0-steps2-3.json"]
+    events = json.loads((tmp_path / "run" / "profile" / "trace-rank0-steps2-3.json").read_text())["traceEvents"]
+    assert sum(event.get("name") == "aten::mm" for event in events) == 2  # steps 2 and 3's products, no others
+    table = (tmp_path / "run" / "profile" / "top-ops.txt").read_text()
+    assert "aten::mm" in table and capsys.readouterr().out.count("--profile-steps 2:3: one trace per rank") == 1
+    with pytest.raises(toolkit.UserError, match=r"^--profile-steps 5:2: give the optimizer steps to profile as A:B "):
+        check_config(replace(cfg, profile_steps="5:2"))

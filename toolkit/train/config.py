@@ -67,6 +67,9 @@ class TrainingConfig:
                                  "trackio, jsonl, csv or all (written to OUTPUT_DIR/logs by the main process)"})
     peak_tflops: float | None = field(default=None, metadata={"help": "the peak TFLOP/s of one device, for MFU "
                                       "(default: a table of known GPUs; unknown on a CPU)"})
+    profile_steps: str | None = field(default=None, metadata={"metavar": "A:B", "help": "run torch.profiler over "
+                                      "optimizer steps A to B on every rank: a trace per rank in OUTPUT_DIR/profile "
+                                      "and the top-10 ops in the log; default: none"})
     skip_nonfinite: bool = field(default=False, metadata={"help": "skip steps whose loss is NaN/inf, not stop"})
 
     @property
@@ -88,6 +91,10 @@ def check_config(cfg: TrainingConfig) -> TrainingConfig:
         raise UserError(f"--clip-grad-norm must be positive, not {cfg.clip_grad_norm}.")
     if cfg.ema_decay is not None and not 0 < cfg.ema_decay < 1:
         raise UserError(f"--ema-decay must be in (0, 1), such as 0.999, not {cfg.ema_decay}.")
+    if cfg.profile_steps is not None:
+        from toolkit.train.profiling import parse_steps
+
+        parse_steps(cfg.profile_steps)
     if cfg.resume not in (None, "auto") and not Path(cfg.resume).exists():
         raise UserError(f"--resume {cfg.resume}: that path does not exist; pass a checkpoint folder or 'auto'.")
     return cfg

@@ -32,6 +32,7 @@ from toolkit.train.config_changes import config_changes
 from toolkit.train.cost import StepCost, gib, mfu, peak_flops, peak_memory_bytes
 from toolkit.train.data_position import epoch_batches, resume_position
 from toolkit.train.divergence import DivergenceWatch
+from toolkit.train.profiling import StepProfiler
 from toolkit.train.records import RunRecorder, Throughput, check_fresh_output_dir
 
 # What a resume reads from state.json: key -> (type, what it must be).
@@ -69,6 +70,8 @@ class TrainingRun:
         # For MFU: one sample's forward and backward FLOPs (cost.flops_per_sample) and one device's peak FLOP/s.
         self.flops_per_sample = flops_per_sample
         self.peak_flops = peak_flops(accelerator.device, accelerator.mixed_precision, getattr(cfg, "peak_tflops", None))
+        self.profiler = StepProfiler(getattr(cfg, "profile_steps", None), Path(cfg.output_dir) / "profile",
+                                     accelerator.process_index, accelerator.is_main_process, self.say)
         self.records = RunRecorder(cfg.output_dir, active=accelerator.is_main_process)
         # Earlier attempts (a resume's history, as of the checkpoint it resumed from), and where this one began.
         self.attempts, self.first_step = [], 0
@@ -108,6 +111,7 @@ class TrainingRun:
                 install_excepthook(own_line=True)  # the main process's progress bar may now be on the terminal
             self._progress = tqdm(total=self.total_steps, initial=self.step, dynamic_ncols=True,
                                   disable=not self.accelerator.is_main_process)
+        self.profiler.tick(self.step)  # --profile-steps from the first step: it starts here
         self._tick, epoch = time.perf_counter(), self.epoch
         self.cost.restart()
         fetched = enumerate(epoch_batches(loader, epoch, self.batch), self.batch)
@@ -128,7 +132,8 @@ class TrainingRun:
         now = time.perf_counter()
         self.throughput.step(self.plan.global_batch, now - self._tick)
         split = self.cost.step(now - self._tick)  # data wait and compute (the step's time without saving)
-        self._tick = now
+        self.profiler.tick(self.step)  # --profile-steps: starts before step A, writes the traces after step B
+        self._tick = time.perf_counter()
         if self.cost.warning and self.cost.warning not in self.warnings:  # the loader holds training up: once
             self.warnings.append(self.cost.warning)
             self.say(self.cost.warning)
@@ -371,6 +376,7 @@ class TrainingRun:
         """Write summary.json (the run's figures over every attempt, each attempt's own, `extra`, the config) and
         print the result; returns it."""
         accelerator, plan, meter = self.accelerator, self.plan, self.throughput
+        self.profiler.close()
         attempts = self.attempts + [self.this_attempt()]
         by_class = {f"test_{key}": metrics[key] for key in ("top5_accuracy", "per_class_accuracy", "confusion_matrix")
                     if key in metrics}
