@@ -157,3 +157,21 @@ def test_profile_steps_trace_exactly_the_steps_asked_for_and_name_the_top_ops(ac
     assert "aten::mm" in table and capsys.readouterr().out.count("--profile-steps 2:3: one trace per rank") == 1
     with pytest.raises(toolkit.UserError, match=r"^--profile-steps 5:2: give the optimizer steps to profile as A:B "):
         check_config(replace(cfg, profile_steps="5:2"))
+
+
+def test_the_time_to_the_first_step_counts_from_this_process_start(accelerator, tmp_path):
+    """time_to_first_step_s is the wall time from the process's start (psutil's reading of it, independently) to
+    the run's first optimizer step."""
+    import psutil
+
+    from toolkit.train.cost import seconds_since_process_start
+
+    assert seconds_since_process_start() == pytest.approx(time.time() - psutil.Process().create_time(), abs=0.05)
+    cfg, _ = apply_preset(TrainingConfig(model="tiny", output_dir=str(tmp_path / "run"), seed=5))
+    run = TrainingRun(accelerator, check_config(replace(cfg, epochs=1)), plan_batches(4, 1, 4), batches_per_epoch=2)
+    for _ in run.epochs():
+        for _ in run.batches(range(2)):
+            run.step_done(loss=1.0, lr=0.1)
+            if run.step == 1:
+                expected = time.time() - psutil.Process().create_time()
+    assert run.time_to_first_step_s == pytest.approx(expected, abs=0.05)

@@ -67,6 +67,21 @@ class StepCost:
         return line
 
 
+def seconds_since_process_start() -> float | None:
+    """Wall seconds since this process started (Linux: /proc/self/stat's start time after boot); None elsewhere."""
+    import os
+    import time
+
+    try:
+        with open("/proc/self/stat") as stat:
+            started_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as stat:
+            boot = next(int(line.split()[1]) for line in stat if line.startswith("btime"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return time.time() - (boot + started_ticks / os.sysconf("SC_CLK_TCK"))
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """The most memory this process has held: on a GPU the tensors torch allocated there
     (torch.cuda.max_memory_allocated), elsewhere the process's peak resident set: Linux's VmHWM (this program's

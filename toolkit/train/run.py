@@ -29,7 +29,8 @@ from toolkit.errors import UserError, install_excepthook
 from toolkit.train.checkpoint import (checkpoint_folder, finish_checkpoint, latest_checkpoint, load_checkpoint,
                                       mark_best, read_state)
 from toolkit.train.config_changes import config_changes
-from toolkit.train.cost import StepCost, gib, mfu, peak_flops, peak_memory_bytes
+from toolkit.train.cost import (StepCost, gib, mfu, peak_flops, peak_memory_bytes,
+                                seconds_since_process_start)
 from toolkit.train.data_position import epoch_batches, resume_position
 from toolkit.train.divergence import DivergenceWatch
 from toolkit.train.profiling import StepProfiler
@@ -67,6 +68,7 @@ class TrainingRun:
         self.step = self.epoch = self.batch = 0  # batch: micro-batches of `epoch` done, whole optimizer steps
         self.throughput = Throughput()
         self.cost = StepCost()  # where the time goes: data wait, compute, checkpoint saving
+        self.time_to_first_step_s = None
         # For MFU: one sample's forward and backward FLOPs (cost.flops_per_sample) and one device's peak FLOP/s.
         self.flops_per_sample = flops_per_sample
         self.peak_flops = peak_flops(accelerator.device, accelerator.mixed_precision, getattr(cfg, "peak_tflops", None))
@@ -132,6 +134,8 @@ class TrainingRun:
         now = time.perf_counter()
         self.throughput.step(self.plan.global_batch, now - self._tick)
         split = self.cost.step(now - self._tick)  # data wait and compute (the step's time without saving)
+        if self.time_to_first_step_s is None:  # this process's start to its first optimizer step done
+            self.time_to_first_step_s = seconds_since_process_start()
         self.profiler.tick(self.step)  # --profile-steps: starts before step A, writes the traces after step B
         self._tick = time.perf_counter()
         if self.cost.warning and self.cost.warning not in self.warnings:  # the loader holds training up: once
@@ -386,6 +390,7 @@ class TrainingRun:
             time_split_s={part: round(seconds, 3) for part, seconds in self.cost.totals.items()},
             peak_memory_bytes=dict(zip(("min_rank", "max_rank"), self.peak_memory or self.gathered_peak_memory())),
             flops_per_sample=self.flops_per_sample, mfu=self.mfu(),
+            time_to_first_step_s=self.time_to_first_step_s and round(self.time_to_first_step_s, 3),
             images_per_s=overall_rate(attempts, plan.global_batch), warmup_s=round(sum(a["warmup_s"] for a in attempts), 3),
             warmup_steps=min(meter.steps, meter.warmup_steps), engine=accelerator.name,
             wall_time_s=round(sum(a["wall_time_s"] for a in attempts), 3), attempts=attempts,
