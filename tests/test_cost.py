@@ -68,11 +68,17 @@ def test_the_data_wait_is_the_time_blocked_on_the_loader_and_a_data_bound_run_is
 
 
 def test_the_peak_memory_rises_with_a_tensor_the_process_holds():
-    before = peak_memory_bytes(torch.device("cpu"))
-    held = torch.ones(64 * 2 ** 20, dtype=torch.float32)  # 256 MiB, written so its pages are resident
-    after = peak_memory_bytes(torch.device("cpu"))
+    """In a fresh process (a test process's own peak is whatever earlier tests reached), the peak rises by the
+    256 MiB tensor it then holds."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from toolkit.train.cost import peak_memory_bytes as peak; cpu = torch.device('cpu'); "
+            "before = peak(cpu); held = torch.ones(64 * 2 ** 20); print(before, peak(cpu), float(held.sum()))")
+    before, after, _ = map(float, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                                 check=True, timeout=120).stdout.split())
     print(f"peak RSS {before / 2 ** 20:.0f} -> {after / 2 ** 20:.0f} MiB with a 256 MiB tensor")
-    assert after - before >= 200 * 2 ** 20 and held.sum() > 0
+    assert after - before >= 200 * 2 ** 20
 
 
 def peaks_on_ranks(out_dir: str):
