@@ -172,8 +172,7 @@ class TrainingRun:
         self.peak_memory = self.gathered_peak_memory()
         utilisation = self.mfu()
         self.say(f"{label}: {self.cost.report()} of the time since the last evaluation · peak memory "
-                 + ("{} to {} per rank".format(*map(gib, self.peak_memory)) if self.peak_memory[0] != self.peak_memory[1]
-                    else f"{gib(self.peak_memory[1])}")
+                 + peak_range(self.peak_memory)
                  + (f" · MFU {utilisation:.0%}" if utilisation is not None else " · MFU unknown"))
         names = self.config.get("classes") or self.config.get("vocabulary")  # images.py's, lm.py's outputs
         self.divergence.check(metrics, final=self.step >= self.total_steps, classes=len(names) if names else None)
@@ -406,6 +405,12 @@ class TrainingRun:
                           + (f" over {len(attempts)} attempts" if len(attempts) > 1 else "")
                           + (f", {skipped} optimizer step(s) skipped (fp16 overflow or non-finite loss)" if skipped else ""))
         return summary
+
+
+def peak_range(peaks: tuple[int, int]) -> str:
+    """The ranks' (least, most) peak memory as the evaluation line shows it: one figure when they round alike."""
+    shown = list(dict.fromkeys(map(gib, peaks)))
+    return " to ".join(shown) + (" per rank" if len(shown) > 1 else "")
 
 
 def average_figures(metrics: dict) -> dict:
