@@ -21,7 +21,6 @@ from toolkit.config import listing
 from toolkit.errors import UserError
 from toolkit.engines.collectives import all_ranks
 from toolkit.engines.full_state import load_full_weights, write_full_weights
-from toolkit.engines.sharded_state import load_shards, local_state_dicts, save_sharded
 from toolkit.engines.state_files import (CUSTOM_FILE, SCALER_NAME, custom_file, load_safe, read_state_json,
                                          restore_rng, rng_file, rng_state, state_file, state_json_text,
                                          with_registered_state, write_training_state)
@@ -123,6 +122,8 @@ class CheckpointingMixin:
         for hook in self._load_state_pre_hooks.values():
             hook(self._models, str(path))
         if checkpoint_format(path) == "sharded":
+            from toolkit.engines.sharded_state import load_shards  # torch.distributed.checkpoint: ~1 s to import
+
             load_shards(path, self._models, self._optimizers)
         else:
             load_full_weights(path, self._models, self._optimizers, strict=load_model_func_kwargs.get("strict", True))
@@ -179,6 +180,8 @@ def save_sharded_state(engine, final: Path, rng_states, hooks, position):
     `_custom_objects`: an Accelerator's registries too). Each rank writes its shards of the models and
     optimizers; the main process the rest, `rng_states` (every rank's, in order) and `position()` as state.json.
     `hooks` are the save_state pre-hooks, called with the shards' state dicts."""
+    from toolkit.engines.sharded_state import local_state_dicts, save_sharded  # imported when first used: ~1 s
+
     model_states, optimizer_states = local_state_dicts(engine._models, engine._optimizers)
     for hook in hooks:
         hook(engine._models, model_states, str(final))

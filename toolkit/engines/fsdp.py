@@ -42,26 +42,9 @@ from toolkit.engines.prepared import PreparedOptimizer
 from toolkit.engines.ddp import RawDDPEngine
 from toolkit.config import listing
 from toolkit.errors import UserError
+from toolkit.models.blocks import shard_units
 
-_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on rank 0, in CPU memory
-
-
-def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The blocks sharded one by one before the root: the model's children that hold trainable parameters,
-    with containers among them (a ResNet's `stem` and `layers` Sequentials) opened one level so each residual
-    block is its own unit. A model that is itself a Sequential (resnet9, tiny) has its elements as blocks.
-
-    >>> from toolkit.models.nets import build_model
-    >>> [type(m).__name__ for m in shard_units(build_model("resnet18", 10))][:5]  # the stem's ReLU has none
-    ['Conv2d', 'BatchNorm2d', 'BasicBlock', 'BasicBlock', 'BasicBlock']
-    >>> [type(m).__name__ for m in shard_units(build_model("tiny", 10))]
-    ['Conv2d', 'Conv2d', 'Linear']
-    """
-    children = list(model.children())
-    if not isinstance(model, _CONTAINERS):
-        children = [g for c in children for g in (c.children() if isinstance(c, _CONTAINERS) else [c])]
-    return [c for c in children if any(p.requires_grad for p in c.parameters())]
 
 
 def replicated_parameters(model: torch.nn.Module, units: list[torch.nn.Module]) -> dict[str, torch.nn.Parameter]:

@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 from toolkit.engines import state_files
 from toolkit.engines.full_state import load_full_weights, write_full_weights
-from toolkit.engines.sharded_state import load_shards
 from toolkit.engines.state_files import (SCALER_NAME, gather_rng_states, load_safe, read_state_json, rng_state,
                                          state_file, state_json_text, write_training_state)
 from toolkit.engines.state_folder import (CHECKPOINT_FORMATS, best_checkpoint, check_keep, checkpoint_folder,
@@ -71,6 +70,8 @@ def load_checkpoint(path, *, model=None, optimizer=None, scheduler=None, scaler=
     path = resolve_checkpoint(path)
     models, optimizers = [m for m in (model,) if m is not None], [o for o in (optimizer,) if o is not None]
     if checkpoint_format(path) == "sharded":
+        from toolkit.engines.sharded_state import load_shards  # torch.distributed.checkpoint: ~1 s to import
+
         load_shards(path, models, optimizers)
     else:
         load_full_weights(path, models, optimizers, map_location=map_location)
