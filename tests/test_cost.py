@@ -2,6 +2,8 @@
 an independent measurement, in one process with the single engine."""
 
 import csv
+import subprocess
+import sys
 import time
 from dataclasses import replace
 
@@ -9,8 +11,9 @@ import pytest
 import torch
 
 import toolkit
+from conftest import ROOT
 from toolkit.train import TrainingConfig, TrainingRun, apply_preset, check_config, plan_batches
-from toolkit.train.cost import DATA_BOUND_STEPS, peak_memory_bytes
+from toolkit.train.cost import DATA_BOUND_STEPS, DeviceTimer, peak_memory_bytes
 
 DATA_S, COMPUTE_S = 0.08, 0.04  # what the sleeping loader and the sleeping "model" take per micro-batch
 
@@ -65,6 +68,48 @@ def test_the_data_wait_is_the_time_blocked_on_the_loader_and_a_data_bound_run_is
     warnings = [w for w in run.warnings if "waiting for data" in w]
     assert len(warnings) == 1 and "--loader memory" in warnings[0]
     assert capsys.readouterr().out.count("waiting for data took over 50%") == 1
+
+
+class FakeDevice:
+    """A device that runs queued work in order: `busy(s)` queues s seconds of work, and an event's record() notes
+    the device time at which the work before it is done, as a CUDA event on one stream does."""
+
+    clock = 0.0
+
+    @classmethod
+    def busy(cls, seconds: float):
+        cls.clock += seconds
+
+    class Event:
+        def record(self):
+            self.at = FakeDevice.clock
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end) -> float:
+            return (end.at - self.at) * 1000  # milliseconds, as torch.cuda.Event's
+
+
+def test_on_a_gpu_compute_is_the_devices_time_for_the_steps_work_and_not_the_evaluations(accelerator, tmp_path):
+    """Device events (a fake device here; tests/test_gpu.py times a real one) bracket each micro-batch's work from
+    its arrival to the next fetch: a step of two micro-batches that queue 30 ms of device work each reports 60 ms
+    of compute, whatever the host's own time, and 2 s of evaluation work between epochs lands in no step."""
+    cfg, _ = apply_preset(TrainingConfig(model="tiny", output_dir=str(tmp_path / "run"), seed=3))
+    cfg = check_config(replace(cfg, epochs=2))
+    run = TrainingRun(accelerator, cfg, plan_batches(4, 1, 2), batches_per_epoch=6)
+    run.cost.device_timer = DeviceTimer(event=FakeDevice.Event)
+    for _ in run.epochs():
+        for i, _ in enumerate(run.batches(list(range(6)))):
+            FakeDevice.busy(0.03)  # the micro-batch's forward and backward, queued
+            time.sleep(0.005)  # the host's own time: not the device's
+            if i % 2 == 1:
+                run.step_done(loss=1.0, lr=0.1)
+        FakeDevice.busy(2.0)  # the evaluation's work on the device
+    with open(tmp_path / "run" / "steps.csv") as f:
+        compute = [float(row["compute_s"]) for row in csv.DictReader(f)]
+    assert compute == pytest.approx([0.06] * 6, abs=1e-6)
+    assert run.cost.totals["compute"] == pytest.approx(0.36, abs=1e-6)
 
 
 def test_the_peak_memory_rises_with_a_tensor_the_process_holds():
@@ -161,6 +206,10 @@ def test_profile_steps_trace_exactly_the_steps_asked_for_and_name_the_top_ops(ac
     assert sum(event.get("name") == "aten::mm" for event in events) == 2  # steps 2 and 3's products, no others
     table = (tmp_path / "run" / "profile" / "top-ops.txt").read_text()
     assert "aten::mm" in table and capsys.readouterr().out.count("--profile-steps 2:3: one trace per rank") == 1
+    run.finish({"accuracy": 0.5, "loss": 1.0, "count": 8})  # scripts/gpu_report.sh prints a run's cost with:
+    lines = subprocess.run([sys.executable, ROOT / "scripts" / "cost_lines.py", tmp_path / "run"], check=True,
+                           capture_output=True, text=True).stdout
+    assert "time split: data" in lines and "traces: trace-rank0-steps2-3.json" in lines and "aten::mm" in lines
     with pytest.raises(toolkit.UserError, match=r"^--profile-steps 5:2: give the optimizer steps to profile as A:B "):
         check_config(replace(cfg, profile_steps="5:2"))
 

@@ -7,6 +7,7 @@ GPUs are visible. `scripts/gpu_report.sh` runs them and the GPU benchmarks on a 
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -230,3 +231,27 @@ def test_fp16_clipping_logs_the_unscaled_norm_and_checkpointed_compiled_blocks_t
          "--output-dir", out], timeout=600)
     result = summary(out)
     assert result["steps"] == 8 and "ema_test_accuracy" in result
+
+
+def test_compute_is_timed_with_cuda_events_as_a_synchronised_clock_times_it():
+    """StepCost on a GPU: the step's compute is the device's time for the work queued (CUDA events), which a
+    wall clock read only after torch.cuda.synchronize() confirms within 20%; the host's own dispatch time is less."""
+    need_gpus(1)
+    from toolkit.train.cost import StepCost
+
+    cost = StepCost(torch.device("cuda"))
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(3):  # cuBLAS's first call sets up
+        x @ x
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    cost.waited(0.0)  # the micro-batch arrived: its work starts here
+    for _ in range(50):
+        y = x @ x
+    queued = time.perf_counter() - start
+    split = cost.step(queued)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    print(f"queued in {queued * 1e3:.1f} ms, device {split['compute_s'] * 1e3:.1f} ms, synchronised {wall * 1e3:.1f} ms")
+    assert split["compute_s"] == pytest.approx(wall, rel=0.2) and split["compute_s"] > queued
+    del y

@@ -67,8 +67,8 @@ class TrainingRun:
                        "mixed_precision": accelerator.mixed_precision}
         self.step = self.epoch = self.batch = 0  # batch: micro-batches of `epoch` done, whole optimizer steps
         self.throughput = Throughput()
-        self.cost = StepCost()  # where the time goes: data wait, compute, checkpoint saving
-        self.time_to_first_step_s = None
+        self.cost = StepCost(accelerator.device)  # where the time goes: data wait, compute, checkpoint saving
+        self.time_to_first_step_s = self.first_step_at = None  # first_step_at: this attempt's, Unix time
         # For MFU: one sample's forward and backward FLOPs (cost.flops_per_sample) and one device's peak FLOP/s.
         self.flops_per_sample = flops_per_sample
         self.peak_flops = peak_flops(accelerator.device, accelerator.mixed_precision, getattr(cfg, "peak_tflops", None))
@@ -118,6 +118,7 @@ class TrainingRun:
         self.cost.restart()
         fetched = enumerate(epoch_batches(loader, epoch, self.batch), self.batch)
         while True:
+            self.cost.fetching()
             asked = time.perf_counter()
             batch, item = next(fetched, (None, None))
             self.cost.waited(time.perf_counter() - asked)  # the step's data wait: blocked on the loader
@@ -135,7 +136,7 @@ class TrainingRun:
         self.throughput.step(self.plan.global_batch, now - self._tick)
         split = self.cost.step(now - self._tick)  # data wait and compute (the step's time without saving)
         if self.time_to_first_step_s is None:  # this process's start to its first optimizer step done
-            self.time_to_first_step_s = seconds_since_process_start()
+            self.time_to_first_step_s, self.first_step_at = seconds_since_process_start(), time.time()
         self.profiler.tick(self.step)  # --profile-steps: starts before step A, writes the traces after step B
         self._tick = time.perf_counter()
         if self.cost.warning and self.cost.warning not in self.warnings:  # the loader holds training up: once
@@ -291,7 +292,7 @@ class TrainingRun:
         return {"from_step": self.first_step, "to_step": self.step, "engine": self.accelerator.name,
                 "world_size": self.accelerator.num_processes, "images_per_s": meter.images_per_s,
                 "warmup_s": round(meter.warmup_s, 3), "wall_time_s": round(time.time() - self.records.opened, 3),
-                "warnings": list(self.warnings)}
+                "first_step_at": self.first_step_at, "warnings": list(self.warnings)}
 
     def resume_folder(self) -> Path | None:
         """The checkpoint to pass to `accelerator.load_state`: --resume PATH, --resume auto (the latest in
