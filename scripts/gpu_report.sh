@@ -8,6 +8,8 @@
 #   - resnet9 training >= 50,000 images/s with bf16 + channels_last + compile (model_throughput.py);
 #     airbench94's 2M-parameter net trains at roughly 160,000 images/s on an A100.
 #   - memory loader >= 100x the DataLoader + PIL pipeline (data_loading.py --device cuda).
+#   - resnet18 bf16 (recipes/cifar.py): where a step's time goes (data / compute from CUDA events / checkpoint),
+#     peak memory and MFU against the H200's 989 TFLOP/s, and a profiler trace of steps 60-65 with its top ops.
 # Without CUDA it refuses in one sentence and exits 2; GPU_REPORT_DRY_RUN=1 prints the steps it would run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +19,7 @@ STEPS=(
   "timeout 240 python -m pytest -m gpu -rA -q tests/test_gpu.py --junitxml=$OUT/tests.xml"
   "timeout 180 python benchmarks/model_throughput.py --device cuda --models resnet9,resnet18 --budget-s 150 --out $OUT/model_throughput"
   "timeout 45 python benchmarks/data_loading.py --device cuda --out $OUT/data_loading"
+  "timeout 150 python recipes/cifar.py --dataset synthetic --model resnet18 --mixed-precision bf16 --epochs 1 --max-steps 80 --profile-steps 60:65 --output-dir $OUT/resnet18 && python scripts/cost_lines.py $OUT/resnet18"
 )
 if [[ "${GPU_REPORT_DRY_RUN:-0}" == 1 ]]; then printf '%s\n' "${STEPS[@]}"; exit 0; fi
 if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then

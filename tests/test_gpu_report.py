@@ -8,8 +8,9 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT, clean_env
+
+import toolkit
 
 SCRIPT = ROOT / "scripts" / "gpu_report.sh"
 
@@ -26,10 +27,15 @@ def test_refuses_in_one_sentence_without_cuda(tmp_path):
 def test_every_step_takes_the_flags_it_is_given(monkeypatch):
     steps = subprocess.run(["bash", SCRIPT], capture_output=True, text=True, cwd=ROOT, timeout=60,
                            env=clean_env(GPU_REPORT_DRY_RUN="1"), check=True).stdout.splitlines()
-    assert len(steps) == 3 and "-m gpu" in steps[0]
+    assert len(steps) == 4 and "-m gpu" in steps[0]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the flags are checked, nothing runs
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    for step in steps[1:]:
+    recipe = shlex.split(steps[3].split("&&")[0])
+    assert recipe[3] == "recipes/cifar.py" and "scripts/cost_lines.py" in steps[3]
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    cfg = toolkit.parse_config(importlib.import_module("cifar").Config, recipe[4:])
+    assert (cfg.model, cfg.mixed_precision, cfg.profile_steps) == ("resnet18", "bf16", "60:65")
+    for step in steps[1:3]:
         words = shlex.split(step)
         script = next(w for w in words if w.endswith(".py"))
         module = importlib.import_module(script.split("/")[-1][:-3])
