@@ -391,6 +391,12 @@ def test_one_process_checkpoint_resumes_on_two_accelerate_ranks(tmp_path, refere
     assert "[toolkit] resuming a 1-process checkpoint on 2 process(es)" in proc.stdout
     summary = read_json(out / "summary.json")
     assert (summary["engine"], summary["world_size"], summary["steps"]) == ("accelerate", 2, TOTAL_STEPS)
+    accumulation = summary["gradient_accumulation"]
+    assert summary["world_changes"] == [{"step": 35, "old_world": 1, "new_world": 2, "old_nodes": 1, "new_nodes": 1,
+                                         "accumulation": accumulation}]
+    assert proc.stdout.count(f"[toolkit] 1 -> 2 processes at step 35: continuing with accumulation {accumulation} "
+                             f"of micro-batch {GLOBAL_BATCH // 2 // accumulation} per process, the same global batch "
+                             f"{GLOBAL_BATCH}") == 1
     loss_diff = check_resumed_like_reference(out, reference[0], resumed_at=35)
     diff = max_weight_diff(final_weights(reference[0], TOTAL_STEPS), final_weights(out, TOTAL_STEPS))
     print(f"single@35 -> accelerate x 2: max |weight diff| {diff:.2e}, max |loss diff| {loss_diff:.2e}")

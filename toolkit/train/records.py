@@ -126,6 +126,24 @@ class RunRecorder:
         written: a resume's rows go on from there, not from 0."""
         self.started = self.opened - elapsed_s
 
+    def last_step(self) -> int | None:
+        """The last optimizer step metrics.jsonl records (an interrupted attempt's may lie past its checkpoint's
+        step); None when it holds none or this process does not write the records."""
+        path = self.dir / "metrics.jsonl"
+        if not self.active or not path.is_file():
+            return None
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 65536))  # the file's end: the last rows
+            lines = f.read().decode(errors="replace").splitlines()
+        for line in reversed(lines):
+            try:
+                row = json.loads(line)
+            except ValueError:  # the first, cut line; a line a killed process left half written
+                continue
+            if isinstance(row, dict) and row.get("kind") == "step" and isinstance(row.get("step"), int):
+                return row["step"]
+        return None
+
     def log(self, kind: str, **values):
         """Append one row of `kind` ("step", "epoch", ...) to metrics.jsonl and KIND.csv. KIND.csv keeps the columns
         of its header (the first row's, or the file's when a resume appends to it): a value the header lacks goes

@@ -270,7 +270,11 @@ class TrainingRun:
             self.records.continue_from(sum(a["wall_time_s"] for a in attempts))
         self.first_step = self.step
         self.best = self._resumed_best(state.get("best"))
-        self.accelerator.print(f"resumed from {self._resumed_from} (step {self.step})")
+        logged = self.records.last_step()
+        redone = f"; {logged - self.step} step(s) after it are done again" if logged and logged > self.step else ""
+        self.accelerator.print(f"resumed from {self._resumed_from} (step {self.step}){redone}")
+        if self.attempts and self.attempts[-1].get("world_size") != self.accelerator.num_processes:
+            self.accelerator.print(world_change_line(self.attempts[-1], self.this_attempt(), self.plan))
 
     def _resumed_best(self, saved) -> dict | None:
         """--keep-best's best evaluation up to the resumed step: the checkpoint's (None in an older one), or
@@ -290,7 +294,9 @@ class TrainingRun:
         """This attempt's figures so far: the steps it trained, its wall time and throughput."""
         meter = self.throughput
         return {"from_step": self.first_step, "to_step": self.step, "engine": self.accelerator.name,
-                "world_size": self.accelerator.num_processes, "images_per_s": meter.images_per_s,
+                "world_size": self.accelerator.num_processes, "nodes": self.env.num_nodes,
+                "accumulation": self.plan.accumulation, "micro_batch": self.plan.micro_batch,
+                "images_per_s": meter.images_per_s,
                 "warmup_s": round(meter.warmup_s, 3), "wall_time_s": round(time.time() - self.records.opened, 3),
                 "first_step_at": self.first_step_at, "warnings": list(self.warnings)}
 
@@ -394,6 +400,7 @@ class TrainingRun:
             images_per_s=overall_rate(attempts, plan.global_batch), warmup_s=round(sum(a["warmup_s"] for a in attempts), 3),
             warmup_steps=min(meter.steps, meter.warmup_steps), engine=accelerator.name,
             wall_time_s=round(sum(a["wall_time_s"] for a in attempts), 3), attempts=attempts,
+            world_changes=world_changes(attempts),
             world_size=accelerator.num_processes, global_batch_size=plan.global_batch, micro_batch_size=plan.micro_batch,
             gradient_accumulation=plan.accumulation, mixed_precision=accelerator.mixed_precision,
             skipped_steps=getattr(accelerator, "skipped_steps", 0),
@@ -406,6 +413,35 @@ class TrainingRun:
                           + (f" over {len(attempts)} attempts" if len(attempts) > 1 else "")
                           + (f", {skipped} optimizer step(s) skipped (fp16 overflow or non-finite loss)" if skipped else ""))
         return summary
+
+
+def world_changes(attempts: list[dict]) -> list[dict]:
+    """Each resume onto another number of processes: at which step, from what world to what, and the accumulation
+    the plan derived for the new world (the global batch stays the run's).
+
+    >>> world_changes([{"to_step": 37, "world_size": 4, "nodes": 2, "accumulation": 1},
+    ...                {"from_step": 35, "world_size": 2, "nodes": 1, "accumulation": 2}])
+    [{'step': 35, 'old_world': 4, 'new_world': 2, 'old_nodes': 2, 'new_nodes': 1, 'accumulation': 2}]
+    """
+    return [{"step": now["from_step"], "old_world": before["world_size"], "new_world": now["world_size"],
+             "old_nodes": before.get("nodes"), "new_nodes": now.get("nodes"), "accumulation": now.get("accumulation")}
+            for before, now in zip(attempts, attempts[1:]) if before.get("world_size") != now.get("world_size")]
+
+
+def world_change_line(before: dict, now: dict, plan) -> str:
+    """The one line a resume onto another world says.
+
+    >>> from toolkit.train import plan_batches
+    >>> world_change_line({"world_size": 4, "nodes": 2, "to_step": 37}, {"world_size": 2, "nodes": 1,
+    ...                   "from_step": 35}, plan_batches(128, 2, 32))
+    '[toolkit] 2 nodes -> 1 (4 -> 2 processes) at step 35: continuing with accumulation 2 of micro-batch 32 per process, the same global batch 128'
+    """
+    nodes = (f"{before['nodes']} node{'s' * (before['nodes'] != 1)} -> {now['nodes']} "
+             if before.get("nodes") and before.get("nodes") != now.get("nodes") else "")
+    world = f"{before['world_size']} -> {now['world_size']} processes"
+    return (f"[toolkit] {nodes}{f'({world})' if nodes else world} at step {now['from_step']}: continuing with "
+            f"accumulation {plan.accumulation} of micro-batch {plan.micro_batch} per process, the same global batch "
+            f"{plan.global_batch}")
 
 
 def peak_range(peaks: tuple[int, int]) -> str:
