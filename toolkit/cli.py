@@ -27,8 +27,13 @@ def _launch_parser(sub):
     p.add_argument("--num_processes", "--num-processes", type=int, help="override the profile (all machines)")
     p.add_argument("--machine_rank", "--machine-rank", type=int, help="this machine's rank (multi-node)")
     p.add_argument("--main_process_port", "--main-process-port", type=int, help="override the profile's port")
-    p.add_argument("--max_restarts", "--max-restarts", type=int, default=0,
-                   help="restart the worker group this many times after a failure (the script resumes)")
+    p.add_argument("--max_restarts", "--max-restarts", type=int,
+                   help="restart the worker group this many times after a failure (the script resumes; default 0, "
+                        "3 with --nnodes MIN:MAX)")
+    p.add_argument("--nnodes", metavar="MIN:MAX", help="elastic: carry on with as few as MIN machines when some are "
+                   "lost, and grow again up to MAX (the profile's num_machines by default) when they come back")
+    p.add_argument("--rdzv_last_call", "--rdzv-last-call", type=float, default=30.0, metavar="S",
+                   help="elastic: once MIN machines are there, seconds to wait for more before training (default 30)")
     p.add_argument("--rdzv_timeout", "--rdzv-timeout", type=float, default=300.0,
                    help="seconds the machines of a multi-node job wait for each other before giving up")
     p.add_argument("--dry-run", "--dry_run", action="store_true", help="print the command and environment only")

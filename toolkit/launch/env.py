@@ -44,6 +44,7 @@ class LaunchEnv:
     engine: str | None = None  # TOOLKIT_ENGINE, as `toolkit launch --engine` sets it
     mixed_precision: str | None = None  # ACCELERATE_MIXED_PRECISION, from the profile via either launcher
     restart_count: int = 0  # TORCHELASTIC_RESTART_COUNT: >0 when torchrun/toolkit launch restarted the job
+    max_restarts: int = 0  # TORCHELASTIC_MAX_RESTARTS: the restarts torchrun allows in all
     agent_store: bool = False  # torchrun's agent hosts the rendezvous store: every rank connects as a client
     num_nodes: int = 1  # machines in the job: torchrun's GROUP_WORLD_SIZE, SLURM's node count
     job_id: str | None = None  # SLURM_JOB_ID: the same on every node of one allocation
@@ -228,6 +229,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
         engine=environ.get("TOOLKIT_ENGINE") or None,
         mixed_precision=environ.get("ACCELERATE_MIXED_PRECISION") or None,
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", default=0),
+        max_restarts=_int(environ, "TORCHELASTIC_MAX_RESTARTS", default=0),
         agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
         num_nodes=num_nodes,
         job_id=environ.get("SLURM_JOB_ID") or None,

@@ -160,11 +160,12 @@ def _accelerate_command(profile: Profile, gpus: int, max_restarts: int, notes: l
     return command, multi
 
 
-def _torchrun_command(profile: Profile, max_restarts: int, notes: list) -> list:
+def _torchrun_command(profile: Profile, max_restarts: int, notes: list, min_nodes: int | None = None) -> list:
     host, port, rdzv_notes = _rendezvous(profile)
     notes += rdzv_notes
+    nnodes = f"{min_nodes}:{profile.num_machines}" if min_nodes else str(profile.num_machines)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(profile.processes_per_machine),
-               "--nnodes", str(profile.num_machines)]
+               "--nnodes", nnodes]
     if profile.rdzv_backend == "c10d":  # c10d numbers the nodes itself
         command += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{host}:{port}", "--rdzv_id", "toolkit"]
     else:
@@ -173,8 +174,11 @@ def _torchrun_command(profile: Profile, max_restarts: int, notes: list) -> list:
 
 
 def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus: int | None = None,
-                max_restarts: int = 0, environ=None) -> LaunchPlan:
-    """The command and environment that start `script_and_args` under `engine` with `profile`."""
+                max_restarts: int = 0, environ=None, min_nodes: int | None = None,
+                last_call_s: float | None = None, join_timeout_s: float | None = None) -> LaunchPlan:
+    """The command and environment that start `script_and_args` under `engine` with `profile`; elastic between
+    `min_nodes` and the profile's num_machines when `min_nodes` is given (torchrun's c10d rendezvous, for the
+    accelerate engine too: accelerate launch takes one node count)."""
     spec = engine_spec(engine)
     environ = os.environ if environ is None else environ
     gpus = visible_gpus() if gpus is None else gpus
@@ -190,11 +194,21 @@ def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus:
         node_env, node_args, node_notes = _multi_node(profile, engine, environ)
         env.update(node_env)
         notes += node_notes
+        if min_nodes and node_args:  # is_host=R is there: one --rdzv_conf for all
+            node_args[1] += "".join(f",{key}={value:g}" for key, value in
+                                    (("join_timeout", join_timeout_s), ("last_call_timeout", last_call_s)) if value)
+            # A lost machine's peers and the rendezvous store print C++ warnings with stack frames by the dozen
+            # while the round ends; the workers' own line says what happened.
+            if "TORCH_CPP_LOG_LEVEL" not in environ:
+                env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
         if max_restarts:
             # torchrun keeps one store for every rendezvous round, and a node that only re-joins (its workers
             # did not fail) keeps its restart count: the old round's keys and mismatched per-attempt prefixes
             # would meet in it. A fresh store per round, hosted by the new rank 0, leaves nothing stale.
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if min_nodes:
+        command = _torchrun_command(profile, max_restarts, notes, min_nodes)
+        return LaunchPlan(command + node_args + list(script_and_args), env, tuple(notes))
     if spec.launcher == "accelerate":
         command, multi = _accelerate_command(profile, gpus, max_restarts, notes)
         return LaunchPlan(command + node_args + list(script_and_args), env, tuple(notes), 0 if multi else max_restarts,
@@ -321,10 +335,20 @@ def _launch(args) -> int:
     for flag in ("num_processes", "machine_rank", "main_process_port"):
         if getattr(args, flag) is not None:
             overrides[flag] = getattr(args, flag)
+    engine = args.engine or os.environ.get("TOOLKIT_ENGINE") or LAUNCH_DEFAULT
+    min_nodes, max_restarts = None, args.max_restarts or 0
+    if args.nnodes is not None:
+        min_nodes, most = parse_nnodes(args.nnodes, engine)
+        per_machine = overrides.get("num_processes", profile.num_processes) // profile.num_machines
+        overrides.update(num_machines=most, num_processes=per_machine * most, rdzv_backend="c10d")
+        if args.max_restarts is None:
+            max_restarts = ELASTIC_RESTARTS
+        notes.append(f"elastic: {min_nodes} to {most} machines of {per_machine} process(es) over torchrun's c10d "
+                     f"rendezvous; a lost machine ends the round and the rest resume from the latest checkpoint "
+                     f"(up to {max_restarts} restarts); the launch handshake is left to that rendezvous.")
     if overrides:
         profile = dataclasses.replace(profile, **overrides)
         check_profile(profile)
-    engine = args.engine or os.environ.get("TOOLKIT_ENGINE") or LAUNCH_DEFAULT
     if engine_spec(engine).every_gpu and args.num_processes not in (None, 1):
         per_gpu = engines_where(lambda spec: spec.process_group)
         raise UserError(f"the {engine} engine drives every GPU from one process; drop --num_processes or use "
@@ -333,19 +357,47 @@ def _launch(args) -> int:
         raise UserError("no script given: toolkit launch --config_file PROFILE [options] script.py [args ...].")
     if not os.path.isfile(args.script[0]):
         raise UserError(f"no script at {args.script[0]}.")
-    if args.max_restarts < 0:
-        raise UserError(f"--max_restarts must be at least 0, not {args.max_restarts}.")
+    if max_restarts < 0:
+        raise UserError(f"--max_restarts must be at least 0, not {max_restarts}.")
     if args.rdzv_timeout <= 0:
         raise UserError(f"--rdzv_timeout must be positive, not {args.rdzv_timeout:g}.")
-    plan = plan_launch(profile, engine, args.script, max_restarts=args.max_restarts)
+    if args.rdzv_last_call < 0:
+        raise UserError(f"--rdzv_last_call must be at least 0, not {args.rdzv_last_call:g}.")
+    plan = plan_launch(profile, engine, args.script, max_restarts=max_restarts, min_nodes=min_nodes,
+                       last_call_s=args.rdzv_last_call, join_timeout_s=args.rdzv_timeout)
     for note in notes + list(plan.notes):
         print(f"[toolkit] {note}", file=sys.stderr)
     if args.dry_run:
         print(format_plan(plan))
         return 0
-    if profile.num_machines > 1:
+    if profile.num_machines > 1 and not min_nodes:  # an elastic machine may join a run long started
         meet_other_machines(profile, engine, args.script, args.rdzv_timeout)
     return run_plan(plan)
+
+
+ELASTIC_RESTARTS = 3  # an elastic launch's default --max_restarts: each lost machine costs one
+
+
+def parse_nnodes(text: str, engine: str) -> tuple[int, int]:
+    """--nnodes MIN:MAX (or N, for MIN = MAX = N: a fixed count over the elastic rendezvous).
+
+    >>> parse_nnodes("1:2", "ddp")
+    (1, 2)
+    >>> parse_nnodes("2:1", "ddp")
+    Traceback (most recent call last):
+    toolkit.errors.UserError: --nnodes 2:1: give MIN:MAX machines with 1 <= MIN <= MAX, e.g. --nnodes 1:2.
+    """
+    low, _, high = text.partition(":")
+    try:
+        low, high = int(low), int(high or low)
+    except ValueError:
+        low = high = 0
+    if not 1 <= low <= high:
+        raise UserError(f"--nnodes {text}: give MIN:MAX machines with 1 <= MIN <= MAX, e.g. --nnodes 1:2.")
+    if not engine_spec(engine).process_group:
+        grouped = engines_where(lambda spec: spec.process_group)
+        raise UserError(f"--nnodes {text}: the {engine} engine runs in one process; use --engine {grouped}.")
+    return low, high
 
 
 def meet_other_machines(profile: Profile, engine: str, script_and_args: list[str], timeout: float):
