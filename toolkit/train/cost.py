@@ -119,18 +119,19 @@ class DeviceTimer:
 
 
 def seconds_since_process_start() -> float | None:
-    """Wall seconds since this process started (Linux: /proc/self/stat's start time after boot); None elsewhere."""
+    """Wall seconds since this process started (Linux: /proc/uptime less /proc/self/stat's start time, both
+    counted from boot: /proc/stat's boot time is cut to whole seconds and moves when the clock is set); None
+    elsewhere."""
     import os
-    import time
 
     try:
         with open("/proc/self/stat") as stat:
             started_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as stat:
-            boot = next(int(line.split()[1]) for line in stat if line.startswith("btime"))
-    except (OSError, ValueError, IndexError, StopIteration):
+        with open("/proc/uptime") as uptime:
+            since_boot = float(uptime.read().split()[0])
+    except (OSError, ValueError, IndexError):
         return None
-    return time.time() - (boot + started_ticks / os.sysconf("SC_CLK_TCK"))
+    return since_boot - started_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def peak_memory_bytes(device: torch.device) -> int:
