@@ -362,8 +362,10 @@ def test_ddp_checkpoint_resumes_on_one_process_under_single_and_dp(tmp_path, ref
     checkpoint = ddp_out / "checkpoints" / "step-00000021"
     engines = ["single", "dp"]
     results = run_together(
-        [[PY, CIFAR, *SYNTHETIC, "--global-batch-size", GLOBAL_BATCH, "--engine", e, *EVERY_7, "--output-dir", tmp_path / e,
-          "--resume", checkpoint] for e in engines], [tmp_path / e for e in engines])
+        # Micro-batches of 32: accumulation 4 where the checkpoint's run had 1, so the accumulation counter the
+        # checkpoint holds (21) must not set the phase (its first step would sum one micro-batch).
+        [[PY, CIFAR, *SYNTHETIC, "--global-batch-size", GLOBAL_BATCH, "--micro-batch-size", 32, "--engine", e, *EVERY_7,
+          "--output-dir", tmp_path / e, "--resume", checkpoint] for e in engines], [tmp_path / e for e in engines])
     expected = final_weights(reference[0], TOTAL_STEPS)
     finals = {}
     for engine, proc in zip(engines, results):
@@ -386,17 +388,18 @@ def test_ddp_checkpoint_resumes_on_one_process_under_single_and_dp(tmp_path, ref
 def test_one_process_checkpoint_resumes_on_two_accelerate_ranks(tmp_path, reference):
     checkpoint = reference[0] / "checkpoints" / "step-00000035"
     out = tmp_path / "accelerate"
+    # Micro-batches of 32: the reference's one step of 128 becomes 2 ranks x 32 x accumulation 2 (re-derived for
+    # the new world; the checkpoint's accumulation 1 would halve the global batch).
     proc = run(ACCELERATE + ["--config_file", CONFIGS / "cpu.yaml", CIFAR, *SYNTHETIC, "--global-batch-size",
-                             GLOBAL_BATCH, *EVERY_7, "--output-dir", out, "--resume", checkpoint], timeout=300)
+                             GLOBAL_BATCH, "--micro-batch-size", 32, *EVERY_7, "--output-dir", out, "--resume",
+                             checkpoint], timeout=300)
     assert "[toolkit] resuming a 1-process checkpoint on 2 process(es)" in proc.stdout
     summary = read_json(out / "summary.json")
     assert (summary["engine"], summary["world_size"], summary["steps"]) == ("accelerate", 2, TOTAL_STEPS)
-    accumulation = summary["gradient_accumulation"]
     assert summary["world_changes"] == [{"step": 35, "old_world": 1, "new_world": 2, "old_nodes": 1, "new_nodes": 1,
-                                         "accumulation": accumulation}]
-    assert proc.stdout.count(f"[toolkit] 1 -> 2 processes at step 35: continuing with accumulation {accumulation} "
-                             f"of micro-batch {GLOBAL_BATCH // 2 // accumulation} per process, the same global batch "
-                             f"{GLOBAL_BATCH}") == 1
+                                         "accumulation": 2}]
+    assert proc.stdout.count("[toolkit] 1 -> 2 processes at step 35: continuing with accumulation 2 of micro-batch "
+                             f"32 per process, the same global batch {GLOBAL_BATCH}") == 1
     loss_diff = check_resumed_like_reference(out, reference[0], resumed_at=35)
     diff = max_weight_diff(final_weights(reference[0], TOTAL_STEPS), final_weights(out, TOTAL_STEPS))
     print(f"single@35 -> accelerate x 2: max |weight diff| {diff:.2e}, max |loss diff| {loss_diff:.2e}")

@@ -128,6 +128,10 @@ class AccelerateEngine:
         lambda self: self.accelerator.sync_gradients,
         lambda self, value: setattr(self.accelerator, "sync_gradients", value),
     )
+    step = property(  # accumulate()'s micro-step counter
+        lambda self: self.accelerator.step,
+        lambda self, value: setattr(self.accelerator, "step", value),
+    )
 
     skipped_steps = 0  # optimizer steps not applied (fp16 overflow, or no backward at all)
     threads = None  # a toolkit.launch.env.Threads: build_accelerator sets torch's thread count and says it here

@@ -114,6 +114,10 @@ class TrainingRun:
             self._progress = tqdm(total=self.total_steps, initial=self.step, dynamic_ncols=True,
                                   disable=not self.accelerator.is_main_process)
         self.profiler.tick(self.step)  # --profile-steps from the first step: it starts here
+        # accumulate()'s micro-step counter, in phase with the position on every rank: load_state restores the
+        # checkpoint's count, which another accumulation puts out of phase, and Accelerate restores it only on
+        # the ranks that saved one (a grown world's new ranks start at 0: their gradients would sync apart).
+        self.accelerator.step = self.batch
         self._tick, epoch = time.perf_counter(), self.epoch
         self.cost.restart()
         fetched = enumerate(epoch_batches(loader, epoch, self.batch), self.batch)
