@@ -102,6 +102,43 @@ def _resume_at_epoch_start(training):
     training.resume_position = lambda state, samples, acc: resume_position(state, samples, acc)[:2] + (0,)
 
 
+def _position_not_resharded(position):
+    resume_position = position.resume_position
+
+    def old_worlds_batches(state, samples_per_step, accelerator):  # the old world's per-process count, kept
+        step, epoch, done = resume_position(state, samples_per_step, accelerator)
+        return step, epoch, done * accelerator.num_processes // (state.get("world_size") or accelerator.num_processes)
+
+    position.resume_position = old_worlds_batches
+
+
+def _accumulation_from_checkpoint(run):
+    load_state_dict = run.TrainingRun.load_state_dict
+
+    def keeps_the_old_worlds(self, state):  # the checkpoint's accumulation restored instead of re-derived
+        load_state_dict(self, state)
+        old = (state.get("attempts") or [{}])[-1].get("accumulation")
+        if old:
+            self.plan.__dict__["accumulation"] = old  # a frozen dataclass
+            self.accelerator.gradient_accumulation_steps = old
+
+    run.TrainingRun.load_state_dict = keeps_the_old_worlds
+
+
+def _schedule_restarts_on_world_change(checkpointing):
+    load_training_state = checkpointing.load_training_state
+
+    def restarted(engine, path, step):  # another world: the lr schedule's count starts again
+        saved = load_training_state(engine, path, step)
+        if checkpointing.read_state_json(path).get("world_size") != engine.num_processes:
+            for scheduler in engine._custom_objects:
+                if hasattr(scheduler, "last_epoch"):
+                    scheduler.last_epoch = 0
+        return saved
+
+    checkpointing.load_training_state = restarted
+
+
 def _checkpoint_drops_optimizer(checkpoint):
     load = checkpoint.load_checkpoint
     checkpoint.load_checkpoint = lambda path, optimizer=None, **kw: load(path, **kw)
@@ -181,7 +218,7 @@ def _abbreviations_taken(config):
 
 
 PARITY, FLAGS, API = "tests/test_parity.py", "tests/test_flags.py", "tests/test_engine_api.py"
-OPTIMIZERS = "tests/test_optimizers.py"
+OPTIMIZERS, RECIPE = "tests/test_optimizers.py", "tests/test_recipe.py"
 MUTATIONS = {
     "clipping-on-micro-steps": Mutation(
         "recipes.cifar", _CLIP_EVERY_MICRO_STEP,
@@ -243,6 +280,18 @@ MUTATIONS = {
         "toolkit.train.data_position", _resume_at_epoch_start,
         ("tests/test_checkpoint.py::test_resume_position_maps_samples_to_steps",),
         "resume: a mid-epoch checkpoint restarts its epoch from the first batch"),
+    "position-not-resharded": Mutation(
+        "toolkit.train.data_position", _position_not_resharded,
+        (f"{RECIPE}::test_ddp_checkpoint_resumes_on_one_process_under_single_and_dp",),
+        "elastic: a resume on another world keeps the old world's per-process position (samples seen again)"),
+    "accumulation-not-re-derived": Mutation(
+        "toolkit.train.run", _accumulation_from_checkpoint,
+        (f"{RECIPE}::test_one_process_checkpoint_resumes_on_two_accelerate_ranks",),
+        "elastic: a resume on another world keeps the old accumulation (the global batch changes)"),
+    "schedule-restarts-on-world-change": Mutation(
+        "toolkit.engines.checkpointing", _schedule_restarts_on_world_change,
+        (f"{RECIPE}::test_ddp_checkpoint_resumes_on_one_process_under_single_and_dp",),
+        "elastic: the lr schedule's step count starts again after a world change"),
     "checkpoint-drops-optimizer": Mutation(
         "toolkit.train.checkpoint", _checkpoint_drops_optimizer,
         ("tests/test_checkpoint.py::test_round_trip_restores_everything",),
