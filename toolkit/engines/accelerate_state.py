@@ -15,7 +15,6 @@ import torch
 from toolkit.engines.checkpointing import (destination, load_source, load_training_state, make_room,
                                            save_sharded_state)
 from toolkit.engines.collectives import all_ranks
-from toolkit.engines.sharded_state import load_shards
 from toolkit.engines.state_files import (CUSTOM_FILE, STATE_NAME, gather_rng_states, load_safe, read_state_json,
                                          state_json_text, with_registered_state)
 from toolkit.engines.state_folder import (MANIFEST_NAME, check_checkpoint_format, checkpoint_format, publish,
@@ -83,6 +82,8 @@ def load_state_verified(engine, input_dir, load_kwargs, **load_model_func_kwargs
     if checkpoint_format(path) == "sharded":
         for hook in accelerator._load_model_state_pre_hook.values():
             hook(accelerator._models, str(path))
+        from toolkit.engines.sharded_state import load_shards  # torch.distributed.checkpoint: ~1 s to import
+
         load_shards(path, accelerator._models, accelerator._optimizers)
         accelerator.step = load_training_state(engine, path, accelerator.step)
     else:
