@@ -34,6 +34,21 @@ def test_quick_run_writes_table_plot_and_ratios(tmp_path, script, plot, expected
     assert png.startswith(b"\x89PNG") and len(png) > 5000
 
 
+def test_startup_quick_launches_every_side_to_its_first_step(tmp_path):
+    """One round of real launches (all sides but `torchrun recipe`, about a minute): each reaches its first
+    optimizer step, and both targets' ratio lines are printed and written, lower being better."""
+    proc = run([PY, BENCHMARKS / "startup.py", "--quick", "--out", tmp_path / "out"], timeout=240)
+    ratios = {name: float(value) for name, value in RATIO.findall(proc.stdout)}
+    assert set(ratios) == {"toolkit launch / torchrun bare", "accelerate launch / torchrun bare",
+                           "python recipe / python bare"}, proc.stdout
+    assert all(value > 0 for value in ratios.values())
+    results = (tmp_path / "out" / "results.md").read_text()
+    assert all(f"| {side} |" in results for side in ("torchrun bare", "toolkit launch", "accelerate launch",
+                                                      "python recipe", "python bare"))
+    assert all(f"ratio {name}: {value:.3f} (target <= 1.2: " in results
+               for name, value in ratios.items() if name != "accelerate launch / torchrun bare")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_mode_without_cuda_is_one_line_and_exit_2(tmp_path):
     proc = run([PY, BENCHMARKS / "model_throughput.py", "--device", "cuda", "--out", tmp_path / "out"], check=False)
