@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from toolkit.data.text import GENESIS, CharText, WindowLoader, load_text
 from toolkit.engines.fsdp import replicated_parameters
-from toolkit.models.blocks import shard_units
+from toolkit.engines.units import shard_units
 from toolkit.errors import UserError
 from toolkit.models.gpt import Block, build_gpt
 

@@ -42,7 +42,7 @@ from toolkit.engines.prepared import PreparedOptimizer
 from toolkit.engines.ddp import RawDDPEngine
 from toolkit.config import listing
 from toolkit.errors import UserError
-from toolkit.models.blocks import shard_units
+from toolkit.engines.units import shard_units
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on rank 0, in CPU memory
 

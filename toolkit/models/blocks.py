@@ -1,6 +1,6 @@
 """What `--activation-checkpointing` and `--compile` do to a model's blocks, in torchtitan's order: checkpointing,
 then compiling each block in place; the fsdp engine's `fully_shard` comes last, in `prepare`, and still finds
-every block. The blocks are the units that engine shards (`shard_units`, here). Both keep the module tree and the
+every block. The blocks are the units that engine shards (`shard_units`). Both keep the module tree and the
 state-dict keys, so a checkpoint moves between runs with and without either flag.
 
     >>> from toolkit.models.nets import build_model
@@ -20,24 +20,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-
-
-def shard_units(model: nn.Module) -> list[nn.Module]:
-    """The blocks sharded one by one before the root: the model's children that hold trainable parameters,
-    with containers among them (a ResNet's `stem` and `layers` Sequentials) opened one level so each residual
-    block is its own unit. A model that is itself a Sequential (resnet9, tiny) has its elements as blocks.
-
-    >>> from toolkit.models.nets import build_model
-    >>> [type(m).__name__ for m in shard_units(build_model("resnet18", 10))][:5]  # the stem's ReLU has none
-    ['Conv2d', 'BatchNorm2d', 'BasicBlock', 'BasicBlock', 'BasicBlock']
-    >>> [type(m).__name__ for m in shard_units(build_model("tiny", 10))]
-    ['Conv2d', 'Conv2d', 'Linear']
-    """
-    children = list(model.children())
-    if not isinstance(model, _CONTAINERS):
-        children = [g for c in children for g in (c.children() if isinstance(c, _CONTAINERS) else [c])]
-    return [c for c in children if any(p.requires_grad for p in c.parameters())]
+from toolkit.engines.units import shard_units
 
 
 class Checkpointed(nn.Module):
