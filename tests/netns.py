@@ -82,3 +82,20 @@ def make_hosts(tag: str | None = None) -> Hosts:
         hosts.remove()
         raise
     return hosts
+
+
+def hosts_or_skip():
+    """Two hosts for a module's tests (`hosts = pytest.fixture(scope="module", name="hosts")(hosts_or_skip)`):
+    made, yielded, removed after the module; where they cannot be made (not root, no iproute2) the tests skip
+    and say why."""
+    import pytest
+
+    try:
+        made = make_hosts()
+    except HostsUnavailable as reason:
+        print(f"SKIP two-host tests: {reason}")
+        pytest.skip(f"two network hosts cannot be made here: {reason}")
+    try:
+        yield made
+    finally:
+        made.remove()

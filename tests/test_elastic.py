@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import CONFIGS, PY, ROOT, TOOLKIT, clean_env, kill_groups, max_weight_diff, run
-from netns import HostsUnavailable, make_hosts
+from netns import hosts_or_skip
 
 CIFAR = ROOT / "recipes" / "cifar.py"
 EPOCHS, STEPS = 4, 156  # 39 optimizer steps of 128 per epoch
@@ -38,14 +38,7 @@ WEIGHTS_ATOL, LOSS_ATOL = 2e-4, 1e-4
 LAST_CALL_S = 2  # how long a shrunk rendezvous waits for the lost machine before going on without it
 
 
-@pytest.fixture(scope="module")
-def hosts():
-    try:
-        made = make_hosts()
-    except HostsUnavailable as reason:
-        pytest.skip(f"two network hosts cannot be made here: {reason}")
-    yield made
-    made.remove()
+hosts = pytest.fixture(scope="module", name="hosts")(hosts_or_skip)
 
 
 @pytest.fixture(scope="module")

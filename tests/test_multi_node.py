@@ -19,7 +19,7 @@ import pytest
 import yaml
 from conftest import (ACCELERATE, CONFIGS, PY, ROOT, TOOLKIT, clean_env, final_weights, kill_groups, max_weight_diff,
                       read_json, run)
-from netns import HostsUnavailable, make_hosts
+from netns import hosts_or_skip
 
 CIFAR = ROOT / "recipes" / "cifar.py"
 MULTI_NODE = CONFIGS / "multi_node.yaml"
@@ -35,15 +35,7 @@ PER_RANK, WORLD, STEPS = 32, 4, 78
 WEIGHTS_ATOL, FIRST_STEPS, FIRST_LOSSES_ATOL = 5e-3, 7, 1e-5
 
 
-@pytest.fixture(scope="module")
-def hosts():
-    try:
-        made = make_hosts()
-    except HostsUnavailable as reason:
-        print(f"SKIP two-host tests: {reason}")
-        pytest.skip(f"two network hosts cannot be made here: {reason}")
-    yield made
-    made.remove()
+hosts = pytest.fixture(scope="module", name="hosts")(hosts_or_skip)
 
 
 @pytest.fixture(scope="module")
