@@ -24,7 +24,7 @@ from hostile import CreatesFileOnLoad
 from toolkit.errors import UserError
 from toolkit.engines.weights import load_model, save_model, unwrap_model
 from toolkit.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, verify_checkpoint
-from toolkit.engines.state_files import rng_state, set_rng_state
+from toolkit.engines.state_files import restore_rng, rng_state, set_rng_state, write_training_state
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -104,6 +104,26 @@ def test_rng_state_helpers_round_trip():
     first = draws()
     set_rng_state(state)
     assert_same(draws(), first)
+
+
+def test_a_grown_world_restores_the_saved_ranks_rng_and_says_once_that_the_rest_keep_theirs(tmp_path, capsys):
+    """Saved by 2 ranks with different streams, restored by 4: ranks 0 and 1 get their own streams back; ranks 2
+    and 3 keep theirs, and one line (not one per rank) says so."""
+    saved = []
+    for seed in (11, 12):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        saved.append(rng_state())
+    write_training_state(tmp_path, "{}", rng_states=saved)
+    for rank in range(4):
+        torch.manual_seed(100 + rank)
+        restored = restore_rng(tmp_path, rank)
+        drawn = torch.rand(3)
+        assert (restored is None) == (rank >= 2)
+        torch.manual_seed(11 + rank if rank < 2 else 100 + rank)  # its saved stream, or its own seeded one
+        assert torch.equal(drawn, torch.rand(3)), rank
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"[toolkit] {tmp_path} holds RNG states for 2 rank(s); rank 2 and above keep their seeded RNG."]
 
 
 def test_tied_weights_are_saved_once_and_stay_tied(tmp_path):

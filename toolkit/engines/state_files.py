@@ -195,23 +195,29 @@ def gather_rng_states(step: int = 0) -> list[dict]:
 def restore_rng(path: Path, rank: int) -> dict | None:
     """Restore rank `rank`'s RNG streams from `path` and return what its file held; None when the folder holds
     none for it (saved without RNG states, or by a smaller world: then this rank keeps its seeded streams, said
-    in one line). Checkpoints written before the layout was Accelerate's hold every rank's in rng.pt."""
+    once for all such ranks, by the first of them). Checkpoints written before the layout was Accelerate's hold
+    every rank's in rng.pt."""
     try:
         if (path / rng_file(rank)).is_file():
             saved = load_safe(path / rng_file(rank))
             set_rng_state(saved)
             return saved
         if (path / "rng.pt").is_file():
-            saved = load_safe(path / "rng.pt")
-            if rank < len(saved["ranks"]):
-                _set_legacy_rng(saved["ranks"][rank])
+            legacy = load_safe(path / "rng.pt")["ranks"]
+            saved_ranks = len(legacy)
+            if rank < saved_ranks:
+                _set_legacy_rng(legacy[rank])
                 return {}
-        elif not any(RNG_FILE.fullmatch(p.name) for p in path.iterdir()):
-            return None  # saved without RNG states
+        else:
+            saved_ranks = sum(1 for p in path.iterdir() if RNG_FILE.fullmatch(p.name))
+            if not saved_ranks:
+                return None  # saved without RNG states
     except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as error:  # a crafted or foreign file
         raise UserError(f"Checkpoint {path} is corrupt: its RNG file does not hold RNG states ({type(error).__name__}: "
                         f"{error}); resume from another checkpoint.") from None
-    print(f"[toolkit] {path} holds no RNG state for rank {rank}; it keeps its seeded RNG.", file=sys.stderr)
+    if rank == saved_ranks:
+        print(f"[toolkit] {path} holds RNG states for {saved_ranks} rank(s); rank {rank} and above keep their seeded "
+              "RNG.", file=sys.stderr)
     return None
 
 
