@@ -22,6 +22,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from toolkit.engines import state_files
+from toolkit.errors import UserError
 from toolkit.engines.full_state import load_full_weights, write_full_weights
 from toolkit.engines.state_files import (SCALER_NAME, gather_rng_states, load_safe, read_state_json, rng_state,
                                          state_file, state_json_text, write_training_state)
@@ -32,6 +33,7 @@ from toolkit.engines.state_folder import verify_folder as verify_checkpoint
 
 __all__ = ["CHECKPOINT_FORMATS", "best_checkpoint", "checkpoint_folder", "finish_checkpoint", "gather_rng_states",
            "latest_checkpoint", "list_checkpoints", "load_checkpoint", "mark_best", "read_state", "save_checkpoint",
+           "check_run_state",
            "verify_checkpoint"]
 
 
@@ -96,3 +98,25 @@ def _distributed() -> bool:
 
 def _world_size() -> int:
     return dist.get_world_size() if _distributed() else 1
+
+
+# What a resume reads from state.json: key -> (type, what it must be).
+STATE_KEYS = {"step": (int, "a whole number"), "epoch": (int, "a whole number"),
+              "samples_in_epoch": (int, "a whole number"), "config": (dict, "an object")}
+
+
+def check_run_state(state: dict, path) -> dict:
+    """`state` (a checkpoint's state.json) if it holds what a resume reads; else one sentence naming the file
+    and the key, instead of a KeyError half-way through restoring."""
+    file = Path(path) / "state.json"
+    file = file if file.is_file() else f"the state.json of the latest checkpoint under {path}"
+    fix = "resume from another checkpoint or start in a fresh --output-dir."
+    for key, (kind, what) in STATE_KEYS.items():
+        if key not in state:
+            raise UserError(f"{file} has no {key!r}, which a resume needs; {fix}")
+        value = state[key]
+        if not isinstance(value, kind) or isinstance(value, bool) or kind is int and value < 0:
+            raise UserError(f"{file} holds {key!r} = {value!r}, not {what}; {fix}")
+    if not isinstance(state["config"].get("model"), str):
+        raise UserError(f"{file} names no model in 'config' (it holds {state['config'].get('model')!r}); {fix}")
+    return state

@@ -17,7 +17,6 @@ records (steps.csv, epochs.csv, metrics.jsonl, summary.json, the progress bar) a
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -26,8 +25,10 @@ import torch
 from tqdm import tqdm
 
 from toolkit.errors import UserError, install_excepthook
-from toolkit.train.checkpoint import (checkpoint_folder, finish_checkpoint, latest_checkpoint, load_checkpoint,
-                                      mark_best, read_state)
+from toolkit.train.attempts import overall_rate, world_change_line, world_changes
+from toolkit.train.best import BestCheckpoint
+from toolkit.train.checkpoint import (check_run_state, checkpoint_folder, finish_checkpoint, latest_checkpoint,
+                                      load_checkpoint, read_state)
 from toolkit.train.config_changes import config_changes
 from toolkit.train.cost import (StepCost, gib, mfu, peak_flops, peak_memory_bytes,
                                 seconds_since_process_start)
@@ -36,11 +37,6 @@ from toolkit.train.divergence import DivergenceWatch
 from toolkit.train.profiling import StepProfiler
 from toolkit.train.records import RunRecorder, Throughput, check_fresh_output_dir
 
-# What a resume reads from state.json: key -> (type, what it must be).
-STATE_KEYS = {"step": (int, "a whole number"), "epoch": (int, "a whole number"),
-              "samples_in_epoch": (int, "a whole number"), "config": (dict, "an object")}
-# --keep-best: the metric -> (its key in EvalMetrics.compute()'s dict, whether higher is better).
-BEST_METRICS = {"test_accuracy": ("accuracy", True), "test_loss": ("loss", False)}
 
 
 class TrainingRun:
@@ -81,8 +77,7 @@ class TrainingRun:
         # rewritten); the recipe returns it.
         self.finished = None
         self._progress = self._tick = self._resumed_from = None
-        # --keep-best: the best evaluation so far {"metric", "value", "step", "folder"}, kept across a resume.
-        self.best = None
+        self.keeper = BestCheckpoint(cfg.keep_best, self.checkpoints, cfg.keep, accelerator.is_main_process, self.say)
         self.peak_memory = None  # (least, most) over ranks, at the last evaluation
         # Loud warnings for a run that trains to nothing with exit 0: a schedule too short to start at the full lr
         # (said by `run.divergence.started(classes)` after the start line) and evaluations that diverge or stay at
@@ -94,6 +89,11 @@ class TrainingRun:
     @property
     def checkpoints(self) -> Path:
         return Path(self.cfg.output_dir) / "checkpoints"
+
+    @property
+    def best(self) -> dict | None:
+        """--keep-best's best evaluation so far {"metric", "value", "step", "folder"}, kept across a resume."""
+        return self.keeper.best
 
     @property
     def images(self) -> int:
@@ -184,7 +184,7 @@ class TrainingRun:
         if "confusion_matrix" in metrics and self.accelerator.is_main_process:
             self._write_confusion(metrics)
         if self.cfg.keep_best:
-            self._keep_best(metrics)
+            self.keeper.evaluated(metrics, self.step)
         return {"test_accuracy": metrics["accuracy"], **top5, "test_loss": metrics["loss"], **ema}
 
     def mfu(self) -> float | None:
@@ -207,23 +207,6 @@ class TrainingRun:
         write_confusion(self.records.dir / "confusion.png", matrix, names)
         self.records.write_json("confusion.json", {"classes": names, "matrix": matrix, "step": self.step,
                                                    "per_class_accuracy": metrics["per_class_accuracy"]})
-
-    def _keep_best(self, metrics: dict):
-        """--keep-best: when this evaluation beats every earlier one, this step's checkpoint becomes the best
-        (`best` and best.json beside `latest`, main process), spared by the --keep pruning."""
-        key, higher = BEST_METRICS[self.cfg.keep_best]
-        value, best = metrics[key], self.best and self.best["value"]
-        if not math.isfinite(value) or best is not None and not (value > best if higher else value < best):
-            return
-        folder = checkpoint_folder(self.checkpoints, self.step)
-        self.best = {"metric": self.cfg.keep_best, "value": value, "step": self.step, "folder": folder.name}
-        if not self.accelerator.is_main_process:
-            return
-        if folder.is_dir():
-            mark_best(self.checkpoints, folder, {k: v for k, v in self.best.items() if k != "folder"}, self.cfg.keep)
-        else:
-            self.say(f"[toolkit] warning: --keep-best: no checkpoint of step {self.step} to keep; save one with "
-                     "run.checkpoint_saved(accelerator.save_state(run.checkpoint_folder())) before evaluating.")
 
     def epochs_done(self) -> tuple[float, str]:
         """(epochs done, as the records' `epoch` column counts them; how the run's lines name that point): a run
@@ -273,26 +256,12 @@ class TrainingRun:
             self.attempts = attempts  # the records' clock goes on from the checkpoint's, as the step does
             self.records.continue_from(sum(a["wall_time_s"] for a in attempts))
         self.first_step = self.step
-        self.best = self._resumed_best(state.get("best"))
+        self.keeper.resumed(state.get("best"), self.step)
         logged = self.records.last_step()
         redone = f"; {logged - self.step} step(s) after it are done again" if logged and logged > self.step else ""
         self.accelerator.print(f"resumed from {self._resumed_from} (step {self.step}){redone}")
         if self.attempts and self.attempts[-1].get("world_size") != self.accelerator.num_processes:
             self.accelerator.print(world_change_line(self.attempts[-1], self.this_attempt(), self.plan))
-
-    def _resumed_best(self, saved) -> dict | None:
-        """--keep-best's best evaluation up to the resumed step: the checkpoint's (None in an older one), or
-        best.json's when it is later. A checkpoint is saved just before its step's evaluation, so it cannot hold
-        that one; a best.json past the resumed step is another timeline's, and ignored."""
-        try:
-            written = json.loads((self.checkpoints / "best.json").read_text())
-        except (OSError, ValueError):
-            written = None
-        found = [best for best in (saved, written)
-                 if isinstance(best, dict) and best.get("metric") == self.cfg.keep_best
-                 and isinstance(best.get("value"), (int, float)) and isinstance(best.get("step"), int)
-                 and isinstance(best.get("folder"), str) and best["step"] <= self.step]
-        return max(found, key=lambda best: best["step"], default=None)
 
     def this_attempt(self) -> dict:
         """This attempt's figures so far: the steps it trained, its wall time and throughput."""
@@ -419,35 +388,6 @@ class TrainingRun:
         return summary
 
 
-def world_changes(attempts: list[dict]) -> list[dict]:
-    """Each resume onto another number of processes: at which step, from what world to what, and the accumulation
-    the plan derived for the new world (the global batch stays the run's).
-
-    >>> world_changes([{"to_step": 37, "world_size": 4, "nodes": 2, "accumulation": 1},
-    ...                {"from_step": 35, "world_size": 2, "nodes": 1, "accumulation": 2}])
-    [{'step': 35, 'old_world': 4, 'new_world': 2, 'old_nodes': 2, 'new_nodes': 1, 'accumulation': 2}]
-    """
-    return [{"step": now["from_step"], "old_world": before["world_size"], "new_world": now["world_size"],
-             "old_nodes": before.get("nodes"), "new_nodes": now.get("nodes"), "accumulation": now.get("accumulation")}
-            for before, now in zip(attempts, attempts[1:]) if before.get("world_size") != now.get("world_size")]
-
-
-def world_change_line(before: dict, now: dict, plan) -> str:
-    """The one line a resume onto another world says.
-
-    >>> from toolkit.train import plan_batches
-    >>> world_change_line({"world_size": 4, "nodes": 2, "to_step": 37}, {"world_size": 2, "nodes": 1,
-    ...                   "from_step": 35}, plan_batches(128, 2, 32))
-    '[toolkit] 2 nodes -> 1 (4 -> 2 processes) at step 35: continuing with accumulation 2 of micro-batch 32 per process, the same global batch 128'
-    """
-    nodes = (f"{before['nodes']} node{'s' * (before['nodes'] != 1)} -> {now['nodes']} "
-             if before.get("nodes") and before.get("nodes") != now.get("nodes") else "")
-    world = f"{before['world_size']} -> {now['world_size']} processes"
-    return (f"[toolkit] {nodes}{f'({world})' if nodes else world} at step {now['from_step']}: continuing with "
-            f"accumulation {plan.accumulation} of micro-batch {plan.micro_batch} per process, the same global batch "
-            f"{plan.global_batch}")
-
-
 def peak_range(peaks: tuple[int, int]) -> str:
     """The ranks' (least, most) peak memory as the evaluation line shows it: one figure when they round alike."""
     shown = list(dict.fromkeys(map(gib, peaks)))
@@ -460,37 +400,8 @@ def average_figures(metrics: dict) -> dict:
     return {"ema_test_accuracy": ema["accuracy"], "ema_test_loss": ema["loss"]} if ema else {}
 
 
-def overall_rate(attempts: list[dict], global_batch: int) -> float | None:
-    """Samples per second over every attempt that measured one: each attempt's rate weighted by its time.
-
-    >>> overall_rate([{"from_step": 0, "to_step": 10, "images_per_s": 100.0},
-    ...               {"from_step": 10, "to_step": 30, "images_per_s": 400.0}], global_batch=10)
-    200.0
-    """
-    timed = [(a["to_step"] - a["from_step"]) * global_batch for a in attempts if a.get("images_per_s")]
-    seconds = sum(n / a["images_per_s"] for n, a in zip(timed, (a for a in attempts if a.get("images_per_s"))))
-    return round(sum(timed) / seconds, 1) if seconds > 0 else None
-
-
 def agreed_restart_count(accelerator) -> int:
     """How often torchrun (or toolkit launch) restarted the job, the same on every rank: the highest count any
     rank was started with (a node whose own workers did not fail re-joins with its count unchanged)."""
     counts = accelerator.gather(torch.tensor([accelerator.env.restart_count], device=accelerator.device))
     return int(counts.max())
-
-
-def check_run_state(state: dict, path) -> dict:
-    """`state` (a checkpoint's state.json) if it holds what a resume reads; else one sentence naming the file
-    and the key, instead of a KeyError half-way through restoring."""
-    file = Path(path) / "state.json"
-    file = file if file.is_file() else f"the state.json of the latest checkpoint under {path}"
-    fix = "resume from another checkpoint or start in a fresh --output-dir."
-    for key, (kind, what) in STATE_KEYS.items():
-        if key not in state:
-            raise UserError(f"{file} has no {key!r}, which a resume needs; {fix}")
-        value = state[key]
-        if not isinstance(value, kind) or isinstance(value, bool) or kind is int and value < 0:
-            raise UserError(f"{file} holds {key!r} = {value!r}, not {what}; {fix}")
-    if not isinstance(state["config"].get("model"), str):
-        raise UserError(f"{file} names no model in 'config' (it holds {state['config'].get('model')!r}); {fix}")
-    return state
