@@ -9,7 +9,8 @@ from conftest import CONFIGS, TOOLKIT, run
 from toolkit.engines import resolve_engine
 from toolkit.errors import UserError
 from toolkit.launch.env import first_slurm_host, read_launch_env
-from toolkit.launch.launcher import plan_launch, slurm_overrides
+from toolkit.launch.launcher import plan_launch
+from toolkit.launch.topology import slurm_overrides
 from toolkit.launch.profiles import load_profile
 
 TORCHRUN_ENV = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",

@@ -33,11 +33,11 @@ from toolkit.launch.launcher import (
     format_plan,
     plan_launch,
     port_in_use,
-    slurm_overrides,
     visible_gpus,
 )
 from toolkit.launch.profiles import Profile, check_profile, load_profile
 from toolkit.launch.rendezvous import check_main_host, resolve_host
+from toolkit.launch.topology import slurm_overrides
 
 # What torchrun and `accelerate launch` leave in their children's environment: set in the shell that starts a
 # new job, they make its processes think they belong to the old one. (SLURM's and MPI's own variables are the

@@ -27,11 +27,10 @@ from typing import NoReturn
 from toolkit.errors import UserError
 from toolkit.launch import rendezvous
 from toolkit.launch.engine_specs import LAUNCH_DEFAULT, engine_spec, engines_where
-from toolkit.launch.env import LaunchEnv, read_launch_env
+from toolkit.launch.env import read_launch_env
 from toolkit.launch.profiles import Profile, check_profile, load_profile
-
-
-MULTI_NODE_PORT = 29500  # a multi-node profile without a port: torchrun's and accelerate's default
+from toolkit.launch.rendezvous import MULTI_NODE_PORT
+from toolkit.launch.topology import topology_overrides
 
 
 @dataclass(frozen=True)
@@ -299,25 +298,6 @@ def _run_once(plan: LaunchPlan, extra_env: dict) -> tuple[int, bool]:
     return 128 + received[0], True
 
 
-def slurm_overrides(profile: Profile, env: LaunchEnv) -> tuple[dict, list[str]]:
-    """Inside `srun`, SLURM decides the topology: one launcher per node, the first node is the main one."""
-    if env.launcher != "slurm":
-        if env.job_id and env.allocated_nodes > 1:
-            raise UserError(f"SLURM job {env.job_id} has {env.allocated_nodes} nodes but toolkit launch runs outside "
-                            "srun, so only this node would train; run `srun --ntasks-per-node=1 toolkit launch ...`.")
-        return {}, []
-    if env.local_world_size > 1:
-        raise UserError(f"srun started {env.local_world_size} tasks on this node; toolkit launch starts the processes "
-                        "itself: use `srun --ntasks-per-node=1 toolkit launch ...`.")
-    port = profile.main_process_port or 20000 + int(env.job_id or 0) % 20000  # the same on every node of a job
-    overrides = {"num_machines": env.num_nodes, "machine_rank": env.node_rank, "main_process_port": port,
-                 "num_processes": profile.processes_per_machine * env.num_nodes,
-                 "main_process_ip": env.master_addr if env.num_nodes > 1 else profile.main_process_ip}
-    note = (f"SLURM job {env.job_id}: node {env.node_rank} of {env.num_nodes}, "
-            f"{profile.processes_per_machine} process(es) per node, main node {overrides['main_process_ip']}:{port}.")
-    return overrides, [note]
-
-
 def launch(args) -> int:
     """Entry point of `toolkit launch` (args from `toolkit.cli`)."""
     try:
@@ -331,21 +311,8 @@ def launch(args) -> int:
 
 def _launch(args) -> int:
     profile = load_profile(args.config_file)
-    overrides, notes = slurm_overrides(profile, read_launch_env())
-    for flag in ("num_processes", "machine_rank", "main_process_port"):
-        if getattr(args, flag) is not None:
-            overrides[flag] = getattr(args, flag)
     engine = args.engine or os.environ.get("TOOLKIT_ENGINE") or LAUNCH_DEFAULT
-    min_nodes, max_restarts = None, args.max_restarts or 0
-    if args.nnodes is not None:
-        min_nodes, most = parse_nnodes(args.nnodes, engine)
-        per_machine = overrides.get("num_processes", profile.num_processes) // profile.num_machines
-        overrides.update(num_machines=most, num_processes=per_machine * most, rdzv_backend="c10d")
-        if args.max_restarts is None:
-            max_restarts = ELASTIC_RESTARTS
-        notes.append(f"elastic: {min_nodes} to {most} machines of {per_machine} process(es) over torchrun's c10d "
-                     f"rendezvous; a lost machine ends the round and the rest resume from the latest checkpoint "
-                     f"(up to {max_restarts} restarts); the launch handshake is left to that rendezvous.")
+    overrides, notes, min_nodes, max_restarts = topology_overrides(args, profile, engine, read_launch_env())
     if overrides:
         profile = dataclasses.replace(profile, **overrides)
         check_profile(profile)
@@ -371,47 +338,5 @@ def _launch(args) -> int:
         print(format_plan(plan))
         return 0
     if profile.num_machines > 1 and not min_nodes:  # an elastic machine may join a run long started
-        meet_other_machines(profile, engine, args.script, args.rdzv_timeout)
+        rendezvous.meet_other_machines(profile, engine, args.script, args.rdzv_timeout)
     return run_plan(plan)
-
-
-ELASTIC_RESTARTS = 3  # an elastic launch's default --max_restarts: each lost machine costs one
-
-
-def parse_nnodes(text: str, engine: str) -> tuple[int, int]:
-    """--nnodes MIN:MAX (or N, for MIN = MAX = N: a fixed count over the elastic rendezvous).
-
-    >>> parse_nnodes("1:2", "ddp")
-    (1, 2)
-    >>> parse_nnodes("2:1", "ddp")
-    Traceback (most recent call last):
-    toolkit.errors.UserError: --nnodes 2:1: give MIN:MAX machines with 1 <= MIN <= MAX, e.g. --nnodes 1:2.
-    """
-    low, _, high = text.partition(":")
-    try:
-        low, high = int(low), int(high or low)
-    except ValueError:
-        low = high = 0
-    if not 1 <= low <= high:
-        raise UserError(f"--nnodes {text}: give MIN:MAX machines with 1 <= MIN <= MAX, e.g. --nnodes 1:2.")
-    if not engine_spec(engine).process_group:
-        grouped = engines_where(lambda spec: spec.process_group)
-        raise UserError(f"--nnodes {text}: the {engine} engine runs in one process; use --engine {grouped}.")
-    return low, high
-
-
-def meet_other_machines(profile: Profile, engine: str, script_and_args: list[str], timeout: float):
-    """The launchers of all machines agree on what they start before torchrun joins them (see rendezvous)."""
-    import torch
-
-    view = rendezvous.NodeView(
-        machine_rank=profile.machine_rank, host=socket.gethostname(), num_machines=profile.num_machines,
-        num_processes=profile.num_processes, rdzv_backend=profile.rdzv_backend, engine=engine,
-        mixed_precision=profile.mixed_precision, torch=torch.__version__.split("+")[0],
-        command=shlex.join(script_and_args))
-    address, port = rendezvous.resolve_host(profile.main_process_ip), profile.main_process_port or MULTI_NODE_PORT
-    if profile.machine_rank == 0:
-        rendezvous.check_main_host(profile.main_process_ip)
-    print(f"[toolkit] machine {profile.machine_rank} of {profile.num_machines}: meeting the others at "
-          f"{address}:{port} (timeout {timeout:g} s)", file=sys.stderr, flush=True)
-    rendezvous.handshake(view, address, port, timeout)

@@ -19,6 +19,7 @@ import datetime
 import fcntl
 import json
 import os
+import shlex
 import socket
 import struct
 import sys
@@ -26,7 +27,9 @@ import time
 from dataclasses import asdict, dataclass
 
 from toolkit.errors import UserError
+from toolkit.launch.profiles import Profile
 
+MULTI_NODE_PORT = 29500  # a multi-node profile without a port: torchrun's and accelerate's default
 PREFIX = "toolkit/handshake/"
 FIRST_TRY_S = 2.0  # the first connection to machine 0's store; a slow but real store gets the rest of the timeout
 _SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of an interface
@@ -224,3 +227,20 @@ def handshake(view: NodeView, address: str, port: int, timeout: float):
         del store
     if verdict != "agreed":
         raise UserError(verdict)
+
+
+def meet_other_machines(profile: Profile, engine: str, script_and_args: list[str], timeout: float):
+    """The launchers of all machines agree on what they start before torchrun joins them (the handshake above)."""
+    import torch
+
+    view = NodeView(
+        machine_rank=profile.machine_rank, host=socket.gethostname(), num_machines=profile.num_machines,
+        num_processes=profile.num_processes, rdzv_backend=profile.rdzv_backend, engine=engine,
+        mixed_precision=profile.mixed_precision, torch=torch.__version__.split("+")[0],
+        command=shlex.join(script_and_args))
+    address, port = resolve_host(profile.main_process_ip), profile.main_process_port or MULTI_NODE_PORT
+    if profile.machine_rank == 0:
+        check_main_host(profile.main_process_ip)
+    print(f"[toolkit] machine {profile.machine_rank} of {profile.num_machines}: meeting the others at "
+          f"{address}:{port} (timeout {timeout:g} s)", file=sys.stderr, flush=True)
+    handshake(view, address, port, timeout)
