@@ -1,4 +1,4 @@
-"""Every engine offers Accelerate's public Accelerator API (the `AcceleratorAPI` protocol in engines/base.py),
+"""Every engine offers Accelerate's public Accelerator API (the `AcceleratorAPI` protocol in engines/api.py),
 takes every keyword a script passes to Accelerate's own method, refuses what it cannot honour in one sentence
 naming the engine to use, and means what Accelerate means: checked in one process at world 1 for all five
 engines, and across 2 real ranks (tests/scripts/api_two_ranks.py) for what only shows with a peer.
@@ -14,7 +14,7 @@ from conftest import SCRIPTS, TORCHRUN, read_json, run
 from torch.utils.data import DataLoader, TensorDataset
 
 import toolkit
-from toolkit.engines.base import AcceleratorAPI
+from toolkit.engines.api import AcceleratorAPI
 from toolkit.errors import UserError
 from toolkit.launch.launcher import free_port
 
