@@ -103,8 +103,9 @@ def _rendezvous(profile: Profile) -> tuple[str, int, list[str]]:
     return host, port, notes
 
 
-def _multi_node(profile: Profile, engine: str, environ) -> tuple[dict, list[str], list[str]]:
-    """Environment, extra torchrun arguments and notes for one machine of a multi-node job."""
+def _multi_node(profile: Profile, engine: str, environ, torchrun: bool) -> tuple[dict, list[str], list[str]]:
+    """Environment, extra launcher arguments and notes for one machine of a multi-node job (`torchrun`: the
+    launch runs torchrun itself, not accelerate launch)."""
     if not engine_spec(engine).process_group:
         grouped = engines_where(lambda spec: spec.process_group)
         raise UserError(f"the {engine} engine runs on one machine; use --engine {grouped} for "
@@ -122,7 +123,7 @@ def _multi_node(profile: Profile, engine: str, environ) -> tuple[dict, list[str]
         # torchrun guesses from this host's name whether it hosts the rendezvous store and what address the
         # other nodes reach it at; a name that resolves to 127.0.0.1 breaks both, so say it outright.
         args = ["--rdzv_conf", f"is_host={int(profile.machine_rank == 0)}"]
-        if engine_spec(engine).launcher == "torchrun" and local_ip:
+        if torchrun and local_ip:  # else the workers' MASTER_ADDR is this host's name
             args += ["--local_addr", local_ip]
     return env, args, notes
 
@@ -190,7 +191,8 @@ def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus:
         env["CUDA_VISIBLE_DEVICES"] = _visible_devices(profile.gpu_ids, environ)
     node_args = []
     if profile.num_machines > 1:
-        node_env, node_args, node_notes = _multi_node(profile, engine, environ)
+        node_env, node_args, node_notes = _multi_node(profile, engine, environ,
+                                                      torchrun=bool(min_nodes) or spec.launcher == "torchrun")
         env.update(node_env)
         notes += node_notes
         if min_nodes and node_args:  # is_host=R is there: one --rdzv_conf for all
