@@ -95,15 +95,20 @@ def evaluate(model, loader, accelerator, classes: int, ema=None) -> dict:
         return {**metrics.compute(), "ema": evaluate(model, loader, accelerator, classes)}
 
 
-def main(argv=None):
+def parse_config(argv=None) -> tuple[Config, str]:
+    """The flags, with the model's preset filled in (and the line that says where the lr came from), checked."""
     cfg = toolkit.parse_config(Config, argv, description=__doc__.splitlines()[0])
     # torchvision's and timm's models share torchvision's reference recipe; the toolkit's nets have their own presets.
     own = not (is_torchvision_model(cfg.model) or is_timm_model(cfg.model))
-    preset = cfg.model.removeprefix(TOOLKIT_PREFIX) if own else "torchvision"
-    cfg, lr_rule = apply_preset(cfg, preset)
+    cfg, lr_rule = apply_preset(cfg, cfg.model.removeprefix(TOOLKIT_PREFIX) if own else "torchvision")
     check_config(cfg)
     if cfg.image_size < 1 or cfg.workers is not None and cfg.workers < 0 or cfg.head_lr is not None and cfg.head_lr <= 0:
         raise toolkit.UserError("--image-size must be at least 1, --workers at least 0 and --head-lr positive.")
+    return cfg, lr_rule
+
+
+def main(argv=None):
+    cfg, lr_rule = parse_config(argv)
     accelerator = toolkit.build_accelerator(cfg.engine, mixed_precision=cfg.mixed_precision, timeout=cfg.timeout,
                                             log_with=cfg.trackers, project_dir=cfg.output_dir,
                                             checkpoint_format=cfg.checkpoint_format)
