@@ -37,13 +37,17 @@ class Hosts:
         out = subprocess.run(["ip", "netns", "pids", self.names[host]], check=False, capture_output=True, text=True).stdout
         return [int(pid) for pid in out.split()]
 
+    def kill(self, host: int):
+        """SIGKILL every process on the host, as if the machine went down."""
+        for pid in self.pids(host) if os.path.exists(f"/run/netns/{self.names[host]}") else []:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def remove(self):
         for host in (0, 1):  # whatever still runs on a host goes with it
-            for pid in self.pids(host) if os.path.exists(f"/run/netns/{self.names[host]}") else []:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            self.kill(host)
         for name in self.names:
             subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
             shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)

@@ -22,7 +22,6 @@ import contextlib
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -151,12 +150,8 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 daemon.kill()
                 daemon.wait()
-        # Job steps (slurmstepd and the trainers under it) outlive a stopped slurmd; every process in these
-        # namespaces is one of ours, so nothing else is touched.
-        for node in (0, 1):
-            for pid in self.hosts.pids(node):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        # Job steps (slurmstepd and the trainers under it) outlive a stopped slurmd; remove() kills every process
+        # in these namespaces, all of them ours, so nothing else is touched.
         self.hosts.remove()
 
 

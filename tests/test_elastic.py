@@ -20,7 +20,6 @@ import json
 import os
 import random
 import re
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -39,6 +38,15 @@ LAST_CALL_S = 2  # how long a shrunk rendezvous waits for the lost machine befor
 
 
 hosts = pytest.fixture(scope="module", name="hosts")(hosts_or_skip)
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_running(hosts):
+    """Whatever a test started on the two hosts ends with it, failed or not: a launch left behind would hold the
+    rendezvous port and fail the next test on the same hosts."""
+    yield
+    hosts.kill(0)
+    hosts.kill(1)
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +110,7 @@ class ElasticRun:
 
     def kill_node(self, host: int):
         self.killed |= {i for i, on in enumerate(self.hosts_of) if on == host}
-        for pid in self.hosts.pids(host):  # the launcher, the agent and the workers: the machine is gone
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        self.hosts.kill(host)  # the launcher, the agent and the workers: the machine is gone
 
     def kill_worker(self, host: int, rng) -> int:
         workers = [p for p in _processes(self.hosts.pids(host)) if "cifar.py" in " ".join(_cmdline(p))
