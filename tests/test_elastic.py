@@ -233,7 +233,13 @@ def test_chaos_kills_and_a_rejoin_end_at_the_uninterrupted_weights(hosts, refere
     lost. Each kill waits until the previous round trains again. The run ends at the uninterrupted run's step
     and weights, and says each world change in one line; summary.json lists them."""
     seed = int(os.environ.get("CHAOS_SEED") or random.SystemRandom().randrange(10 ** 6))
-    print(f"chaos seed {seed} (CHAOS_SEED={seed} reproduces this schedule)")
+
+    def say(line):  # on the terminal under -s or on a failure, and in the test's folder for a run that passed
+        print(line)
+        with open(tmp_path / "chaos.txt", "a") as record:
+            record.write(line + "\n")
+
+    say(f"chaos seed {seed} (CHAOS_SEED={seed} reproduces this schedule)")
     rng = random.Random(seed)
     kinds = ["worker", "node", "worker"]
     rng.shuffle(kinds)
@@ -262,7 +268,7 @@ def test_chaos_kills_and_a_rejoin_end_at_the_uninterrupted_weights(hosts, refere
             node_down, rounds = False, rounds + 1
     code, others = elastic.finish(max(30, deadline - time.monotonic()))
     text = elastic.text()
-    print("; ".join(events))
+    say("; ".join(events))
     assert code == 0 and all(c == 0 for c in others), text[-5000:]
     summary = json.loads((elastic.out / "summary.json").read_text())
     assert (summary["steps"], summary["global_batch_size"], summary["world_size"]) == (STEPS, 128, 4)
@@ -276,6 +282,6 @@ def test_chaos_kills_and_a_rejoin_end_at_the_uninterrupted_weights(hosts, refere
     # before its first checkpoint is done again from the one before, and leaves no attempt).
     assert elastic.machine_0().count("resumed from ") == 4 and summary["attempts"][-1]["to_step"] == STEPS, text[-5000:]
     diff, losses = max_weight_diff(weights(reference), weights(elastic.out)), loss_diff(elastic.out, reference)
-    print(f"chaos seed {seed}: world changes at steps {shrink['step']} (4 -> 2) and {grow['step']} (2 -> 4); "
+    say(f"chaos seed {seed}: world changes at steps {shrink['step']} (4 -> 2) and {grow['step']} (2 -> 4); "
           f"every loss within {losses:.1e} and the final weights within {diff:.1e} of the uninterrupted run")
     assert diff <= WEIGHTS_ATOL and losses <= LOSS_ATOL, (diff, losses)
