@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import PY, run
+
 from toolkit.data import ImageData, load_data
 from toolkit.data.memory import MemoryLoader, augment_batch, build_torch_loader, load_cifar, make_synthetic, normalize
 from toolkit.data.hf import load_hf
@@ -396,3 +398,38 @@ def test_many_empty_class_folders_say_how_many_more(tmp_path):
     with pytest.raises(UserError, match=r"class folder\(s\) \['e00', 'e01', 'e02', 'e03', 'e04', 'e05', 'e06', 'e07', "
                                         r"… and 3 more\] in .*train hold no image files"):
         open_images(str(tmp_path))
+
+
+LOADER_LEFT_AT_EXIT = """
+import gc, sys, torch
+from toolkit.data.folder import StreamingLoader, open_images
+from toolkit.data.memory import build_torch_loader
+
+gc.disable()  # the reference cycle below stays until the interpreter exits, as one the collector had not reached
+if sys.argv[1] == "torch":
+    loader = build_torch_loader(torch.zeros(8, 3, 32, 32, dtype=torch.uint8), torch.arange(8), 4, train=True, seed=3,
+                                num_workers=1)
+else:
+    loader = StreamingLoader(open_images(sys.argv[2]).train, 4, rank=0, world_size=1, seed=3, image_size=32,
+                             train=True, workers=1)
+batches = iter(loader)
+next(batches)  # the persistent worker started, and waits for the next index
+cycle = [batches]
+cycle.append(cycle)
+print("trained", flush=True)
+"""
+
+
+@pytest.mark.parametrize("loader", ["torch", "images"])
+def test_a_process_whose_loader_workers_are_still_up_at_exit_ends(loader, tmp_path):
+    """The toolkit's loader workers ignore SIGTERM (Ctrl-C and a scheduler's SIGTERM are the training process's to
+    take), so multiprocessing's exit handler, which stops workers with SIGTERM, used to wait for them forever when
+    the loader was still referenced at exit: a run that had said `done` never ended (the timm test's fine-tuning
+    run under load). The process now stops them as it exits. 60 s: a hang guard (it ends in ~5 s)."""
+    from image_folders import write_digit_folders
+
+    data = write_digit_folders(tmp_path / "digits") if loader == "images" else tmp_path
+    script = tmp_path / "left_at_exit.py"
+    script.write_text(LOADER_LEFT_AT_EXIT)
+    proc = run([PY, script, loader, data], timeout=60)
+    assert proc.stdout == "trained\n", proc.stdout

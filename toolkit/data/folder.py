@@ -37,7 +37,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from toolkit.config import listing
-from toolkit.data.memory import AUGMENTATIONS, leave_stops_to_the_trainer, sample_rng
+from toolkit.data.memory import AUGMENTATIONS, sample_rng
+from toolkit.engines.workers import leave_stops_to_the_trainer, stopped_at_exit
 from toolkit.errors import UserError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)  # torchvision's weights expect these (references/classification)
@@ -220,9 +221,10 @@ class StreamingLoader:
                         if train else None)
         if not train:
             dataset = _Shard(dataset, range(rank, len(dataset), world_size))
-        self.loader = DataLoader(dataset, batch_size, sampler=self.sampler, drop_last=train, num_workers=workers,
-                                 persistent_workers=workers > 0, pin_memory=self.device.type == "cuda",
-                                 worker_init_fn=leave_stops_to_the_trainer)
+        self.loader = stopped_at_exit(DataLoader(
+            dataset, batch_size, sampler=self.sampler, drop_last=train, num_workers=workers,
+            persistent_workers=workers > 0, pin_memory=self.device.type == "cuda",
+            worker_init_fn=leave_stops_to_the_trainer))
         if train and len(self.loader) == 0:
             raise UserError(f"{images.name} has {len(images)} images, fewer than one global batch of {world_size} x "
                             f"{batch_size}; lower --global-batch-size.")

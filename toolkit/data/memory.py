@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from toolkit.data.dataset import ImageData
 from toolkit.data.safe_pickle import load_restricted
+from toolkit.engines.workers import leave_stops_to_the_trainer, stopped_at_exit
 from toolkit.errors import UserError
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)  # per-channel mean of the CIFAR-10 training set, in [0, 1]
@@ -375,18 +376,10 @@ def build_torch_loader(images: torch.Tensor, labels: torch.Tensor, batch_size: i
     steps = {"crop-flip": [v2.RandomCrop(32, padding=PAD), v2.RandomHorizontalFlip()],
              "crop": [v2.RandomCrop(32, padding=PAD)], "none": []}[augment] if train else []
     transform = v2.Compose(steps + [v2.ToDtype(torch.float32, scale=True), v2.Normalize(CIFAR_MEAN, CIFAR_STD)])
-    return torch.utils.data.DataLoader(
+    return stopped_at_exit(torch.utils.data.DataLoader(
         TensorImageDataset(images, labels, transform, seed), batch_size=batch_size, shuffle=train,
         drop_last=train, num_workers=num_workers, generator=torch.Generator().manual_seed(seed),
         persistent_workers=num_workers > 0, worker_init_fn=leave_stops_to_the_trainer,
-    )
+    ))
 
 
-def leave_stops_to_the_trainer(_worker_id: int):
-    """DataLoader workers ignore Ctrl-C and SIGTERM. Both reach the whole process group, loader workers too; a
-    worker killed by one would make the training process raise "DataLoader worker ... is killed by signal" (a
-    traceback) instead of finishing its step and saving a checkpoint. The training process stops them."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)

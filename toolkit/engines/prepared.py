@@ -10,6 +10,8 @@ import itertools
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
+from toolkit.engines.workers import stopped_at_exit
+
 
 def move_to(batch, device):
     """Move every tensor in a (nested) batch to `device`."""
@@ -155,6 +157,8 @@ class PreparedDataLoader:
         if loader.num_workers > 0:
             kwargs["prefetch_factor"] = loader.prefetch_factor
         self.loader = DataLoader(loader.dataset, **kwargs)
+        if loader.persistent_workers:  # its workers may ignore SIGTERM (toolkit.engines.workers): stopped here
+            stopped_at_exit(self.loader)
         # DistributedSampler pads with repeats so every rank has as many samples: count the real ones.
         n, world, rank = len(loader.dataset), engine.num_processes, engine.process_index
         self.real_samples = len(range(rank, n, world))
