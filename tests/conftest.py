@@ -27,6 +27,13 @@ def clean_env(**extra):
     return env
 
 
+def as_a_terminal_starts_it():
+    """preexec_fn for a child that a test sends SIGINT: SIGINT's default disposition, as a terminal's foreground job
+    has it. A suite run as a background job (`pytest &`, `nohup`) has SIGINT ignored, its children inherit that,
+    and a program rightly leaves an ignored SIGINT ignored: the test would then decide nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run(cmd, timeout=180, check=True, cwd=ROOT, **env):
     """Run `cmd` (list), return CompletedProcess with text output; fail the test on a non-zero exit."""
     proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=clean_env(**env), capture_output=True, text=True,

@@ -10,6 +10,8 @@ launch, and every rank failing after the group formed (a checkpoint of another m
 tests/test_bad_input_launched.py runs under both launchers in one launch each.
 """
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +19,8 @@ import time
 
 import pytest
 
-from conftest import ACCELERATE, CONFIGS, PY, ROOT, SCRIPTS, TOOLKIT, TORCHRUN, clean_env, kill_groups, run
+from conftest import (ACCELERATE, CONFIGS, PY, ROOT, SCRIPTS, TOOLKIT, TORCHRUN, as_a_terminal_starts_it, clean_env,
+                      kill_groups, run)
 from toolkit.launch.launcher import free_port
 from toolkit.train.checkpoint import latest_checkpoint
 
@@ -106,7 +109,8 @@ def test_ctrl_c_under_toolkit_launch_saves_a_checkpoint_and_says_one_line(tmp_pa
     proc = subprocess.Popen(TOOLKIT + ["launch", "--config_file", CPU, "--engine", "ddp", CIFAR, "--dataset",
                                        "synthetic", "--model", "tiny", "--epochs", "3", "--output-dir", str(out)],
                             cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # its own group, as a terminal's foreground job
+                            start_new_session=True,  # its own group, as a terminal's foreground job
+                            preexec_fn=as_a_terminal_starts_it)
     try:
         deadline = time.monotonic() + 120
         while '"step": 5,' not in ((out / "metrics.jsonl").read_text() if (out / "metrics.jsonl").exists() else ""):
@@ -122,6 +126,40 @@ def test_ctrl_c_under_toolkit_launch_saves_a_checkpoint_and_says_one_line(tmp_pa
     assert len(said) == 1 and lines[-1] == said[0], lines  # once, and nothing after it
     step = int(said[0].split()[3].rstrip(":"))
     assert latest_checkpoint(out / "checkpoints").name == f"step-{step:08d}"
+
+
+def ignoring_sigint():
+    """preexec_fn: SIGINT ignored, as a shell starts a background job (`toolkit launch ... &`) or nohup does."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def test_an_ignored_sigint_stays_ignored_under_toolkit_launch(tmp_path):
+    """POSIX: a program started with SIGINT ignored (a background job of a shell) leaves it ignored, so a Ctrl-C
+    meant for the terminal's foreground job does not stop it. The launcher, its agent and both ddp ranks all keep
+    training through a SIGINT to their groups, and the run ends as if none was sent."""
+    import psutil
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen(TOOLKIT + ["launch", "--config_file", CPU, "--engine", "ddp", CIFAR, "--dataset",
+                                       "synthetic", "--model", "tiny", "--epochs", "1", "--global-batch-size", "256",
+                                       "--output-dir", str(out)],
+                            cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=ignoring_sigint)
+    try:
+        deadline = time.monotonic() + 150
+        while '"step": 3,' not in ((out / "metrics.jsonl").read_text() if (out / "metrics.jsonl").exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.05)
+        # the launcher's group and each worker's own session (torchrun starts them apart), as a Ctrl-C reaches all
+        for process in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(os.getpgid(process.pid), signal.SIGINT)
+        output = proc.communicate(timeout=150)[0]
+    finally:
+        kill_groups([proc])
+    assert proc.returncode == 0 and "interrupted" not in output and "Traceback" not in output, output[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 5000 // 256, summary  # every step of the epoch: the SIGINT changed nothing
 
 
 def test_a_rank_failing_mid_step_is_named_on_every_ranks_entry_under_plain_accelerate_launch(tmp_path):
@@ -188,7 +226,8 @@ def test_ctrl_c_while_starting_is_one_line_and_exit_130(tmp_path, moment, engine
     proc = subprocess.Popen(TOOLKIT + ["launch", "--config_file", CPU, "--engine", engine, CIFAR, "--dataset",
                                        "synthetic", "--model", "tiny", "--output-dir", str(tmp_path / "run")],
                             cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own group, as a terminal's foreground job
+                            start_new_session=True,  # its own group, as a terminal's foreground job
+                            preexec_fn=as_a_terminal_starts_it)
     workers = []
     try:
         deadline = time.monotonic() + 60

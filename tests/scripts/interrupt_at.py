@@ -17,6 +17,9 @@ import sys
 import torch
 import torch.nn.functional
 
+# Ctrl-C as a terminal's foreground job gets it: a test suite run as a background job (`pytest &`) starts its
+# children with SIGINT ignored, and the recipe rightly leaves an ignored SIGINT ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 moment, at_step, script = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 sys.argv = sys.argv[3:]
 

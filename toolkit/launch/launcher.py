@@ -271,7 +271,7 @@ def _run_agent_here(plan: LaunchPlan) -> NoReturn:
 def _run_once(plan: LaunchPlan, extra_env: dict) -> tuple[int, bool]:
     """Run the plan's command once; (its exit code, whether Ctrl-C or SIGTERM stopped it). The child runs in a
     session of its own, as torchrun's workers do, so a terminal's Ctrl-C reaches it once: through here."""
-    from toolkit.launch.quiet import stopped_line
+    from toolkit.launch.quiet import catch_signals, stopped_line
 
     command = quiet_command(plan.command)
     agent = command != plan.command  # toolkit.launch.quiet stops its workers and says the line itself
@@ -284,7 +284,7 @@ def _run_once(plan: LaunchPlan, extra_env: dict) -> tuple[int, bool]:
             # print a KeyboardInterrupt traceback; its training loop (run_guard) takes both alike.
             child.send_signal(signum if agent else signal.SIGTERM)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = catch_signals(forward)
     try:
         child = subprocess.Popen(command, env={**os.environ, **plan.env, **extra_env}, start_new_session=True)
         if received:  # arrived while it started

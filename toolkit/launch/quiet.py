@@ -73,6 +73,14 @@ def note_stop(line: str):
             pass
 
 
+def catch_signals(handler, signals=(signal.SIGINT, signal.SIGTERM)) -> dict:
+    """Install `handler` for each of `signals`; returns the handlers it replaced, to restore. A SIGINT ignored on
+    entry stays ignored, as POSIX has it: a shell starts a background job (`cmd &`, nohup) with SIGINT ignored,
+    and the job must not then stop on a Ctrl-C meant for the foreground."""
+    return {sig: signal.signal(sig, handler) for sig in signals
+            if not (sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN)}
+
+
 def stopped_line(signum: int) -> str:
     """What `toolkit launch` says when a signal stopped the run before any worker said how far it got."""
     how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
@@ -98,7 +106,7 @@ def _stopped(signum: int, note: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    signal.signal(signal.SIGINT, _interrupt)  # first: importing torch takes seconds
+    catch_signals(_interrupt, (signal.SIGINT,))  # first: importing torch takes seconds
     # torchrun's --signals-to-handle (read from PET_SIGNALS_TO_HANDLE, also under accelerate launch): its handler
     # would forward SIGINT itself; it keeps SIGTERM, SIGHUP and SIGQUIT.
     os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGHUP,SIGQUIT")

@@ -20,7 +20,7 @@ import signal
 import torch
 
 from toolkit.errors import RunFailure, first_failure
-from toolkit.launch.quiet import note_stop
+from toolkit.launch.quiet import catch_signals, note_stop
 
 
 class StopRequest:
@@ -36,7 +36,7 @@ class StopRequest:
         self.requested = True
 
     def __enter__(self):
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self._previous = catch_signals(self._handle)
         return self
 
     def __exit__(self, *exc):
