@@ -5,13 +5,17 @@ node) with one rejoin ends where an uninterrupted run ends. Machine 0 hosts the 
 torchrun: it is the one machine that must survive, so only machine 1 is killed whole.
 
 Every run keeps the global batch (128) with micro-batches of 32: accumulation 1 on 4 ranks, 2 on 2, so a world
-change changes only how the same 128 samples are split, and the sums round differently. At lr 0.02 this run
-damps such rounding differences (measured: one process at accumulation 4 vs 2 ends 2.4e-7 apart after 156 steps),
-where at lr 0.05 it amplifies them into noise (1.0e-3 between the same two; a chaos run ended 4.7e-2 away). So
-each elastic run is held to the uninterrupted one-process run step by step: every loss within LOSS_ATOL and the
-final weights within WEIGHTS_ATOL. Measured: a node lost for good 2.4e-7 (ddp and accelerate, full
-checkpoints) and 2.0e-5 (fsdp, sharded); chaos runs 2.0e-5 in weights, 4.6e-6 in losses. A repeated or skipped sample, a halved global
-batch or a restarted schedule moves the next losses by 1e-2 or more.
+change changes only how the same 128 samples are split, and the sums round differently. Each elastic run is held
+to the uninterrupted one-process run step by step: every loss within LOSS_ATOL and the final weights within
+WEIGHTS_ATOL, bounds taken from the spread that rounding alone gives this run. Measured with one process and these
+flags after 156 steps, under three kernel paths (native avx512; avx2 with MKL_ENABLE_INSTRUCTIONS=AVX2 and
+ONEDNN_MAX_CPU_ISA=AVX2, as on an AVX2-only AMD EPYC; ATEN_CPU_CAPABILITY=default) and two splits (accumulation
+4 of 32 or 2 of 64): the same split on another kernel path ends up to 1.07e-3 apart in weights and 4.7e-4 in
+losses (default against either native path; avx2 against avx512 3.0e-6); another split on the same path 2.0e-5 /
+2.7e-6 (native) and 1.24e-3 / 4.9e-4 (default); 1.28e-3 / 4.9e-4 at most over all pairs. The bounds are 3 times
+that largest spread. Elastic runs measured 2.4e-7 (ddp and accelerate, full checkpoints) and 2.0e-5 (fsdp,
+sharded) on avx512, 3.08e-4 (ddp and accelerate) on an AVX2 AMD EPYC; chaos runs 2.0e-5 in weights. A repeated or
+skipped sample, a halved global batch or a restarted schedule moves the next losses by 1e-2 or more.
 
 CHAOS_SEED=N reproduces a chaos schedule; without it the test draws one and prints it.
 """
@@ -35,7 +39,7 @@ CIFAR = ROOT / "recipes" / "cifar.py"
 EPOCHS, STEPS = 4, 156  # 39 optimizer steps of 128 per epoch
 FLAGS = ["--dataset", "synthetic", "--model", "tiny", "--epochs", EPOCHS, "--lr", 0.02, "--seed", 3,
          "--global-batch-size", 128, "--micro-batch-size", 32, "--checkpoint-every", 5, "--keep", 2]
-WEIGHTS_ATOL, LOSS_ATOL = 2e-4, 1e-4
+WEIGHTS_ATOL, LOSS_ATOL = 4e-3, 1.5e-3  # 3 x the rounding spread, 1.28e-3 and 4.9e-4 (measured above)
 CHECKPOINT_EVERY = 10  # the node-lost test's: room for a kill between two checkpoints
 LAST_CALL_S = 2  # how long a shrunk rendezvous waits for the lost machine before going on without it
 

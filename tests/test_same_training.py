@@ -21,7 +21,20 @@ from toolkit.train.presets import PRESETS, apply_preset
 
 CIFAR = ROOT / "recipes" / "cifar.py"
 # An SVM reaches ~0.99 on the digits; the tiny preset measured 0.963-0.987 over seeds 0-2 in one process.
-DIGITS_BAR, SAME_WITHIN = 0.95, 0.01
+DIGITS_BAR = 0.95
+# What the design guarantees and what rounding alone does, measured on these three runs under three kernel paths
+# (ATEN_CPU_CAPABILITY=default; avx2 with MKL_ENABLE_INSTRUCTIONS=AVX2 and ONEDNN_MAX_CPU_ISA=AVX2, as on an AVX2-only
+# AMD EPYC; native avx512), python and 2 ddp ranks, on one machine:
+# - the same samples in the same global batches: every step's loss of the first epoch (23 steps) within 4.8e-7 of
+#   every other run's, 2 float32 units at 2.3, on every path. FIRST_EPOCH_ATOL is 20 times that; a sample seen
+#   twice or a batch split differently moves a loss by 1e-2.
+# - then the rounding differences grow (1e-6 by step 30, 2e-3 by step 45, 0.65 by step 69) until the runs are
+#   as far apart as two kernel paths of one process: test accuracies python 0.956 / 0.963 / 0.966 (avx2 / avx512 /
+#   default), so rounding alone moves one process's accuracy by 0.010 (3 of 297 images); ddp 0.976 / 0.970 / 0.973;
+#   0.020 between the launchers at most (python 0.956 against ddp 0.976 on avx2). SAME_WITHIN is 3 times the
+#   one-process rounding spread.
+FIRST_EPOCH_ATOL, SAME_WITHIN = 1e-5, 0.03
+STEPS_PER_EPOCH = 1500 // 64
 
 
 # ----------------------------------------------------------------------------- the batch plan and presets
@@ -82,16 +95,28 @@ def digits_runs(tmp_path_factory):
     return runs
 
 
-def test_digits_reach_the_bar_under_every_launcher_and_agree(digits_runs):
+def step_losses(out) -> list[float]:
+    with open(out / "steps.csv") as f:
+        return [float(row["loss"]) for row in csv.DictReader(f)]
+
+
+def test_digits_train_the_same_steps_under_every_launcher_and_agree_within_rounding(digits_runs):
+    """The same global batches of the same samples: the first epoch's losses agree to rounding. After it the
+    rounding differences grow as in any one process on another kernel path, so the final accuracies each reach the
+    bar and agree within the spread that rounding alone gives (FIRST_EPOCH_ATOL, SAME_WITHIN: measured above)."""
     accuracies = {name: summary["test_accuracy"] for name, (_, _, summary) in digits_runs.items()}
-    print(f"digits, tiny preset, 15 epochs: {accuracies}")
-    assert all(acc >= DIGITS_BAR for acc in accuracies.values()), accuracies
-    assert max(accuracies.values()) - min(accuracies.values()) <= SAME_WITHIN, accuracies
+    losses = {name: step_losses(out) for name, (out, _, _) in digits_runs.items()}
+    first_epoch = max(abs(a - b) for run in losses.values() for a, b in zip(run[:STEPS_PER_EPOCH],
+                                                                            losses["python"][:STEPS_PER_EPOCH]))
+    print(f"digits, tiny preset, 15 epochs: {accuracies}; first epoch's losses within {first_epoch:.1e}")
     for name, (_, proc, summary) in digits_runs.items():
         processes = 1 if name == "python" else 2
         assert (summary["world_size"], summary["global_batch_size"], summary["test_count"]) == (processes, 64, 297)
-        assert summary["steps"] == 15 * (1500 // 64)  # the same optimizer steps whatever the world size
+        assert summary["steps"] == len(losses[name]) == 15 * STEPS_PER_EPOCH  # the same steps whatever the world
         assert f"global batch 64 = {processes} process(es) x micro-batch {64 // processes} x accumulation 1" in proc.stdout
+    assert first_epoch <= FIRST_EPOCH_ATOL, first_epoch
+    assert all(acc >= DIGITS_BAR for acc in accuracies.values()), accuracies
+    assert max(accuracies.values()) - min(accuracies.values()) <= SAME_WITHIN, accuracies
 
 
 def test_toolkit_compare_tabulates_and_plots_the_runs(digits_runs, tmp_path):
