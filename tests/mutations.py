@@ -282,7 +282,7 @@ MUTATIONS = {
         "resume: a mid-epoch checkpoint restarts its epoch from the first batch"),
     "position-not-resharded": Mutation(
         "toolkit.train.data_position", _position_not_resharded,
-        (f"{RECIPE}::test_ddp_checkpoint_resumes_on_one_process_under_single_and_dp",),
+        ("tests/test_checkpoint.py::test_resume_position_maps_samples_to_steps",),
         "elastic: a resume on another world keeps the old world's per-process position (samples seen again)"),
     "accumulation-not-re-derived": Mutation(
         "toolkit.train.run", _accumulation_from_checkpoint,
