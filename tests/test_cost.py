@@ -29,15 +29,21 @@ class SleepingLoader:
     """A loader that takes DATA_S to hand out each batch, as a slow disk would."""
 
     def __init__(self, batches):
-        self.batches = batches
+        self.batches, self.slept = batches, []  # each sleep as it took: a busy machine wakes a sleeper late
 
     def __len__(self):
         return self.batches
 
     def __iter__(self):
         for i in range(self.batches):
-            time.sleep(DATA_S)
+            self.slept.append(timed_sleep(DATA_S))
             yield i
+
+
+def timed_sleep(seconds: float) -> float:
+    started = time.monotonic()
+    time.sleep(seconds)
+    return time.monotonic() - started
 
 
 def test_the_data_wait_is_the_time_blocked_on_the_loader_and_a_data_bound_run_is_said_once(accelerator, tmp_path,
@@ -50,9 +56,10 @@ def test_the_data_wait_is_the_time_blocked_on_the_loader_and_a_data_bound_run_is
     plan = plan_batches(4, 1, 2)  # accumulation 2
     steps = DATA_BOUND_STEPS + 2
     run = TrainingRun(accelerator, cfg, plan, batches_per_epoch=2 * steps)
+    loader, computed = SleepingLoader(2 * steps), []
     for _ in run.epochs():
-        for i, _ in enumerate(run.batches(SleepingLoader(2 * steps))):
-            time.sleep(COMPUTE_S)
+        for i, _ in enumerate(run.batches(loader)):
+            computed.append(timed_sleep(COMPUTE_S))
             if i % 2 == 1:
                 run.step_done(loss=1.0, lr=0.1)
     with open(tmp_path / "run" / "steps.csv") as f:
@@ -60,11 +67,14 @@ def test_the_data_wait_is_the_time_blocked_on_the_loader_and_a_data_bound_run_is
     data = [row["data_s"] for row in rows]
     compute = [row["compute_s"] for row in rows]
     print(f"per step: data {min(data):.4f}-{max(data):.4f} s, compute {min(compute):.4f}-{max(compute):.4f} s")
-    assert sum(data) == pytest.approx(steps * 2 * DATA_S, rel=0.2)  # sleeps overshoot a little on a busy machine
-    assert sum(compute) == pytest.approx(steps * 2 * COMPUTE_S, rel=0.2)
+    # Against the sleeps as they took, not as asked: on a busy machine a sleeper wakes late, and the run must
+    # count that time where it was spent. 20%: what lies between a sleep's end and the run's clock.
+    assert sum(data) == pytest.approx(sum(loader.slept), rel=0.2) and sum(data) >= steps * 2 * DATA_S
+    assert sum(compute) == pytest.approx(sum(computed), rel=0.2) and sum(compute) >= steps * 2 * COMPUTE_S
     assert run.cost.totals["data"] == pytest.approx(sum(data), abs=1e-3)
     share = int(run.cost.report().split("%")[0].removeprefix("data "))
-    assert len(rows) == steps and 55 <= share <= 75, share  # 160 of every 240 ms: 67%
+    slept = round(100 * sum(loader.slept) / (sum(loader.slept) + sum(computed)))  # 160 of every 240 ms: 67%
+    assert len(rows) == steps and abs(share - slept) <= 8, (share, slept)
     warnings = [w for w in run.warnings if "waiting for data" in w]
     assert len(warnings) == 1 and "--loader memory" in warnings[0]
     assert capsys.readouterr().out.count("waiting for data took over 50%") == 1
