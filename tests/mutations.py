@@ -286,7 +286,7 @@ MUTATIONS = {
         "elastic: a resume on another world keeps the old world's per-process position (samples seen again)"),
     "accumulation-not-re-derived": Mutation(
         "toolkit.train.run", _accumulation_from_checkpoint,
-        (f"{RECIPE}::test_one_process_checkpoint_resumes_on_two_accelerate_ranks",),
+        ("tests/test_train_parts.py::test_the_position_maps_through_samples_to_another_world_size",),
         "elastic: a resume on another world keeps the old accumulation (the global batch changes)"),
     "schedule-restarts-on-world-change": Mutation(
         "toolkit.engines.checkpointing", _schedule_restarts_on_world_change,

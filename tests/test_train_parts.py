@@ -54,14 +54,16 @@ def test_batches_stop_at_the_epochs_last_whole_step_and_step_done_rolls_the_epoc
 
 
 def test_the_position_maps_through_samples_to_another_world_size(accelerator, tmp_path):
-    """A 2-process run 6 steps into its second epoch (global batch 64, micro-batch 8: accumulation 4) resumes
-    here (1 process, micro-batch 16: accumulation 4) at the same sample."""
+    """A 2-process run 6 steps into its second epoch (global batch 64, micro-batch 32: accumulation 1) resumes
+    here (1 process, micro-batch 16: accumulation 4) at the same sample, with this world's accumulation."""
     state = {"step": 16, "epoch": 1, "samples_in_epoch": 6 * 64, "world_size": 2, "engine": "ddp",
-             "config": {"model": "tiny"}}
+             "config": {"model": "tiny"}, "attempts": [{"from_step": 0, "to_step": 16, "engine": "ddp",
+                                                        "world_size": 2, "accumulation": 1, "micro_batch": 32}]}
     run = TrainingRun(accelerator, config(tmp_path, resume="auto"), plan_batches(64, 1, 16), batches_per_epoch=40)
     run._resumed_from = "a 2-process checkpoint"
     run.load_state_dict(state)
     assert (run.step, run.epoch, run.batch) == (16, 1, 24)  # 6 optimizer steps of 4 micro-batches
+    assert run.plan.accumulation == 4  # derived for this world, not the checkpoint's 1 (the global batch would halve)
     saved = run.state_dict()
     assert (saved["samples_in_epoch"], saved["world_size"], saved["config"]["seed"]) == (384, 1, 5)
     assert run.state_json() == saved  # what state.json holds
