@@ -179,6 +179,7 @@ def test_help_shows_every_default():
         assert f"(default: {default})" in text.split(f"{flag} ", 2)[-1].split(" --", 1)[0], (flag, text)
 
 
+@pytest.mark.alone  # a time bound: refused at the first try (0.3 s and 2.4 s, idle), not after the 60 s timeout
 @pytest.mark.parametrize("speaks_first", [True, False], ids=["greets-on-connect", "answers-garbage"])
 def test_a_port_held_by_another_service_is_named_as_such(speaks_first, capfd):
     import time

@@ -167,6 +167,7 @@ def test_bad_flags_are_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "out" / "summary.json").exists()
 
 
+@pytest.mark.alone  # a time bound: the offline download fails fast (measured ~7 s in all, idle), not after a timeout
 def test_missing_cifar_folder_offline_is_an_error_not_synthetic_data(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
