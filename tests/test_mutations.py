@@ -32,8 +32,12 @@ def test_injected_bug_turns_a_test_red(name, tmp_path):
 
 
 def test_ci_runs_exactly_the_readme_test_command():
-    """`.ci/run` runs the README's test command, which shows every skip and its reason (-rs)."""
+    """`.ci/run` runs the README's test command, which shows every skip and its reason (-rs), in a fresh venv."""
     readme = (ROOT / "README.md").read_text().splitlines()
     command = readme[readme.index("# Set up and run the tests") + 1]
     assert "python -m pytest" in command and "-rs" in command.split()
-    assert (ROOT / ".ci" / "run").read_text().splitlines()[-1] == command
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert ci[-1] == command
+    # in a virtual environment made anew inside the clone, ignored by git: what a newcomer's install brings
+    made = [ci.index(line) for line in ("rm -rf .venv", "python -m venv .venv", ". .venv/bin/activate")]
+    assert made == sorted(made) and ".venv/" in (ROOT / ".gitignore").read_text().splitlines()
