@@ -22,7 +22,10 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RA
 
 def clean_env(**extra):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCHELASTIC_ERROR_FILE": ""})
+    # PYTHONFAULTHANDLER: a child killed by a fatal signal (SIGSEGV, SIGABRT) prints each thread's Python stack
+    # first, so a failure says where it happened.
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCHELASTIC_ERROR_FILE": "",
+                "PYTHONFAULTHANDLER": "1"})
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -39,8 +42,10 @@ def run(cmd, timeout=180, check=True, cwd=ROOT, **env):
     proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=clean_env(**env), capture_output=True, text=True,
                           timeout=timeout)
     if check and proc.returncode != 0:
+        fatal = proc.stderr.find("Fatal Python error")  # a fatal signal's stacks, above a launcher's summary
+        stacks = f"{proc.stderr[fatal:fatal + 4000]}\n...\n" if fatal >= 0 else ""
         pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\n"
-                    f"STDERR:\n{proc.stderr[-5000:]}")
+                    f"STDERR:\n{stacks}{proc.stderr[-5000:]}")
     return proc
 
 

@@ -218,20 +218,31 @@ def accelerate_sync_tests():
     return results
 
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--out", required=True)
-args = parser.parse_args()
-accelerator = toolkit.build_accelerator("fsdp", gradient_accumulation_steps=ACCUM)
-W, rank = accelerator.num_processes, accelerator.process_index
-out = {"world": W}
-out["regression"], _ = train("regression")
-out["tied"], trained = train("tied")
-out["restore"], fresh, reference = restore(trained)
-x, y = trained[4][:W * PER_RANK], trained[5][:W * PER_RANK]
-out["sync_rules"] = sync_rules(fresh, reference, x, y)
-out["bf16"] = bf16_forward(reference, x)
-out["accelerate_sync"] = accelerate_sync_tests()
-if rank == 0:
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-accelerator.end_training()
+def main():
+    global accelerator, W, rank  # the functions above read them
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    accelerator = toolkit.build_accelerator("fsdp", gradient_accumulation_steps=ACCUM)
+    W, rank = accelerator.num_processes, accelerator.process_index
+    out = {"world": W}
+    out["regression"], _ = train("regression")
+    out["tied"], trained = train("tied")
+    out["restore"], fresh, reference = restore(trained)
+    x, y = trained[4][:W * PER_RANK], trained[5][:W * PER_RANK]
+    out["sync_rules"] = sync_rules(fresh, reference, x, y)
+    out["bf16"] = bf16_forward(reference, x)
+    out["accelerate_sync"] = accelerate_sync_tests()
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    accelerator.end_training()
+    # The sharded models and the engine holding them go now, while the interpreter is whole, as a recipe's do when
+    # its main() returns. Held by module globals, their process group would be freed during interpreter
+    # finalization, which torch's gloo teardown does not survive every time (SIGABRT after the results are
+    # written; pytorch/pytorch#179291).
+    accelerator = None
+
+
+if __name__ == "__main__":
+    main()
