@@ -1,4 +1,4 @@
-"""Evaluation beyond accuracy and loss (toolkit/train/evaluation.py, confusion.py) and --keep-best: torchmetrics'
+"""Evaluation beyond accuracy and loss (toolkit/train/evaluation.py, confusion.py) and --keep-best: the
 top-5, per-class accuracy and confusion matrix against a count written without the toolkit, the same counts
 under 1 process and 2 gloo ranks, confusion.png and confusion.json in the run's folder, and the best checkpoint
 kept beside the last --keep, across a resume."""
@@ -34,7 +34,7 @@ def evaluate(model, loader, accelerator, num_classes):
     return metrics.compute()
 
 
-def test_torchmetrics_figures_equal_a_count_written_without_the_toolkit():
+def test_the_class_figures_equal_a_count_written_without_the_toolkit():
     """Six classes with different counts, one never predicted and one with no samples, fed in batches of
     different sizes: every figure equals numpy's and sklearn's on the same logits."""
     import numpy as np
@@ -64,6 +64,19 @@ def test_torchmetrics_figures_equal_a_count_written_without_the_toolkit():
     four = EvalMetrics(num_classes=4)
     four.update(logits[:, :4], targets.clamp(max=3))
     assert "top5_accuracy" not in four.compute()  # top-5 of 4 classes is always 1
+
+
+@pytest.mark.parametrize("target", [-100, 5])
+def test_a_target_outside_the_classes_is_refused_in_one_sentence(target):
+    """cross_entropy skips -100 (its ignore_index: a miss counted as neither hit nor loss) and fails on a class past
+    the last with its own IndexError; both are one sentence naming the target, with or without per-class figures."""
+    from toolkit.errors import UserError
+
+    for metrics in (EvalMetrics(), EvalMetrics(num_classes=5)):
+        metrics.update(torch.randn(3, 5), torch.tensor([0, 4, 1]))
+        with pytest.raises(UserError, match=rf"got target class {target} for logits of 5 classes; targets must be 0 "
+                                            r"to 4\.$"):
+            metrics.update(torch.randn(3, 5), torch.tensor([0, target, 1]))
 
 
 def evaluate_tiny(accelerator) -> dict:
