@@ -290,7 +290,7 @@ MUTATIONS = {
         "elastic: a resume on another world keeps the old accumulation (the global batch changes)"),
     "schedule-restarts-on-world-change": Mutation(
         "toolkit.engines.checkpointing", _schedule_restarts_on_world_change,
-        (f"{RECIPE}::test_ddp_checkpoint_resumes_on_one_process_under_single_and_dp",),
+        ("tests/test_checkpoint.py::test_a_schedule_saved_by_two_processes_goes_on_from_its_count_on_one",),
         "elastic: the lr schedule's step count starts again after a world change"),
     "checkpoint-drops-optimizer": Mutation(
         "toolkit.train.checkpoint", _checkpoint_drops_optimizer,

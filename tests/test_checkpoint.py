@@ -487,3 +487,40 @@ def test_resume_position_maps_samples_to_steps():
     odd = _Ranks(2)
     assert resume_position({**state, "samples_in_epoch": 10 * 128 + 64}, 128, odd) == (49, 1, 10)
     assert "resuming at the step before" in odd.printed[-1]
+
+
+def test_a_schedule_saved_by_two_processes_goes_on_from_its_count_on_one(tmp_path):
+    """An lr schedule registered for checkpointing (as the recipes register theirs), saved 5 optimizer steps in by
+    a 2-process run and loaded on 1 process, goes on from step 5: the learning rate is the saved one, not the
+    schedule's first. The folder says 2 processes in state.json and its manifest, as a 2-process save_state
+    writes it (test_recipe.py resumes a real one: test_ddp_checkpoint_resumes_on_one_process_under_single_and_dp)."""
+    import toolkit
+    from toolkit.engines.state_folder import MANIFEST_NAME, seal
+
+    def build():
+        torch.manual_seed(3)
+        net = torch.nn.Linear(3, 2)
+        model, optimizer = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / 10)
+        accelerator.register_for_checkpointing(scheduler)
+        return model, optimizer, scheduler
+
+    accelerator = toolkit.build_accelerator("single")
+    model, optimizer, scheduler = build()
+    for _ in range(5):
+        accelerator.backward(model(torch.randn(4, 3)).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    folder = Path(accelerator.save_state(tmp_path / "saved"))
+    state = json.loads((folder / "state.json").read_text())
+    (folder / "state.json").write_text(json.dumps({**state, "world_size": 2}))
+    about = {k: v for k, v in json.loads((folder / MANIFEST_NAME).read_text()).items() if k not in ("format", "files")}
+    seal(folder, {**about, "world_size": 2})
+    accelerator.end_training()
+
+    accelerator = toolkit.build_accelerator("single")  # as a new process would
+    model, optimizer, scheduler = build()
+    accelerator.load_state(folder)
+    assert scheduler.last_epoch == 5 and optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * (1 - 5 / 10))
+    accelerator.end_training()
