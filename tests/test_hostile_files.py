@@ -3,7 +3,9 @@ decoded as they should be (parquet images written without Hugging Face metadata)
 
 import io
 import os
+import pathlib
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -49,6 +51,45 @@ def test_the_restricted_unpickler_reads_what_cifar_files_hold(tmp_path):
         payload = pickle.dumps(refused)
         with pytest.raises(UserError, match=f"asks to run .*{refused.__name__}"):
             load_restricted(io.BytesIO(payload), "evil")
+
+
+def naming(module, name) -> bytes:
+    """A pickle (protocol 2) whose whole content is one global, module.name, written opcode by opcode."""
+    return b"\x80\x02c" + f"{module}\n{name}\n".encode() + b"."
+
+
+# Each module and each name is on the dataset unpickler's list, but not together; or the module is one beside a
+# listed one. A check of the module and the name apart, or of a module prefix, lets them through.
+DATASET_NEAR_MISSES = [("numpy", "_reconstruct"), ("numpy.core.multiarray", "ndarray"), ("_codecs", "dtype"),
+                       ("numpy", "encode"), ("numpy._core.multiarray", "_frombuffer"), ("numpy.core", "scalar"),
+                       ("numpy.core.multiarray.x", "_reconstruct")]
+
+
+@pytest.mark.parametrize("module, name", DATASET_NEAR_MISSES)
+def test_the_dataset_unpickler_refuses_a_near_miss_of_its_list(module, name):
+    assert load_restricted(io.BytesIO(naming("numpy", "ndarray")), "listed") is np.ndarray  # the exact pair loads
+    with pytest.raises(UserError, match=rf"^near asks to run {re.escape(module)}\.{name}, which a dataset file"):
+        load_restricted(io.BytesIO(naming(module, name)), "near")
+
+
+# The checkpoint index unpickler takes DCP's metadata module whole, torch's dtypes and a few named classes.
+INDEX_NEAR_MISSES = [("torch", "load"), ("torch", "Tensor"), ("torch.distributed.checkpoint", "metadata"),
+                     ("torch.distributed.checkpoint.metadata_x", "Metadata"), ("torch.serialization", "load"),
+                     ("torch.distributed.checkpoint.filesystem", "FileSystemReader"), ("pathlib", "Path")]
+
+
+@pytest.mark.parametrize("module, name", INDEX_NEAR_MISSES)
+def test_the_checkpoint_index_unpickler_refuses_a_near_miss_of_its_list(tmp_path, module, name):
+    import torch
+
+    from toolkit.engines.sharded_state import INDEX, read_index
+
+    for listed, expected in ((("torch", "float32"), torch.float32), (("pathlib", "PosixPath"), pathlib.PosixPath)):
+        (tmp_path / INDEX).write_bytes(naming(*listed))
+        assert read_index(tmp_path) is expected  # an exact entry loads
+    (tmp_path / INDEX).write_bytes(naming(module, name))
+    with pytest.raises(UserError, match=rf"it asks to run {re.escape(module)}\.{name}, which a checkpoint index"):
+        read_index(tmp_path)
 
 
 def test_a_failed_download_removes_what_it_created(tmp_path, monkeypatch):
