@@ -1,9 +1,19 @@
-"""A real `accelerate.Accelerator`, with one correction for machines without CUDA.
+"""A real `accelerate.Accelerator`: every call goes to it, and the engine adds what the toolkit's contract needs.
 
-Accelerate 1.16 launched with several processes on a CPU-only machine either starts N processes that
-each believe they are alone (a MULTI_GPU profile: with no CUDA its state falls back to `NO`) or a
-single process (a MULTI_CPU profile without mpirun). Passing `cpu=True` whenever no GPU is visible
-makes the first case a real gloo group; the factory refuses the second before training starts.
+- Machines without CUDA: launched with several processes, Accelerate 1.16 starts N processes that each believe
+  they are alone (a MULTI_GPU profile falls back to `NO`) or a single process (MULTI_CPU without mpirun).
+  `cpu=True` whenever no GPU is visible makes the first a real gloo group; the factory refuses the second.
+- The data order is a function of (seed, epoch), as on every engine: a seedable sampler by default.
+- `timeout` becomes an InitProcessGroupKwargs; after a torchrun restart the group forms in the attempt's own
+  key space (`_join_restarted_group`), since env:// would read the killed attempt's gloo addresses.
+- The toolkit's jsonl and csv trackers are registered with Accelerate's tracking, and logged tensors become
+  numbers (Accelerate's trackio tracker drops a tensor).
+- save_state and load_state are Accelerate's own, published atomically with state.json and manifest.json and
+  verified against it; save and save_model give their safetensors files the umask's mode.
+- Steps a GradScaler skips, or that had no backward, are counted (`skipped_steps`) instead of raising.
+- end_training releases the DDP wrappers' hold on the destroyed group; main_process_first ends the other
+  processes when the main one fails; `toolkit parity` observes prepare and backward.
+- Accelerate's per-step probe for `lomo_optim` is cached (`_cache_lomo_probe`).
 """
 
 from __future__ import annotations
@@ -72,8 +82,8 @@ def _count_skipped_steps(optimizer, engine):
 
 def _join_restarted_group(env, timeout: float | None, cpu: bool):
     """After a torchrun restart, form the process group in this attempt's own key space (ddp.attempt_store)
-    before Accelerate would through env://: there a restarted group read the killed attempt's gloo addresses
-    and hung in init_process_group (1 in 2 kill -9 restarts here). Accelerate uses a group that exists."""
+    before Accelerate would through env://, where a restarted group can read the killed attempt's gloo addresses
+    and wait for them in init_process_group forever. Accelerate uses a group that exists."""
     if not env.restart_count or not env.agent_store or env.world_size == 1 or env.master_port is None or dist.is_initialized():
         return
     wait = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S if timeout is None else timeout)

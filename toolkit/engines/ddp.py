@@ -47,9 +47,9 @@ def nccl_error_handling(environ=None):
 
 def release_ddp_wrappers(wrapped: list):
     """Drop what ties each DDP-wrapped model (weak references in `wrapped`) to the destroyed group: its
-    reducer, logger and group, so the group's gloo threads stop now, while the interpreter is alive. Left to
-    interpreter exit, they abort the process about one run in 70 ("terminate called without an active
-    exception", a known PyTorch teardown race; more often on a loaded machine). The unwrapped model stays
+    reducer, logger and group, so they are freed now, while the interpreter is whole. Freed during interpreter
+    finalization instead, the group's gloo threads can abort the process ("terminate called without an active
+    exception", a PyTorch teardown race that a loaded machine makes likelier). The unwrapped model stays
     usable; the DDP wrapper cannot train any more."""
     for ref in wrapped:
         model = ref()

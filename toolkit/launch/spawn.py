@@ -62,8 +62,8 @@ def _leave_group():
 def _exit_done(forked: bool):
     """End a worker whose `fn` returned: its own Python exit handlers run (a forked worker's are its parent's, which
     multiprocessing never runs in a child) and the streams are flushed, then the process ends without the C++
-    runtime's teardown, where a thread torch's collectives left joinable aborted a finished fsdp worker now and
-    then even after its group was closed (signal 6 in 1 of about 6 CI runs)."""
+    runtime's teardown, where a thread that torch's collectives leave joinable can abort a finished fsdp worker
+    (signal 6) even after its group is closed."""
     import atexit
 
     if not forked:
