@@ -6,54 +6,102 @@ Apply one by hand (every Python process started below gets it, torchrun workers 
 
     TOOLKIT_MUTATION=optimizer-step-noop PYTHONPATH=tests/mutant:. python -m pytest tests/test_parity.py
 
-tests/mutant/sitecustomize.py reads TOOLKIT_MUTATION and patches the module named here as it is imported.
+tests/mutant/sitecustomize.py reads TOOLKIT_MUTATION and patches the module named here as it is imported. Each
+mutation names the function it changes (`target`, an attribute path in `module`) and replaces exactly that one:
+a patch is a function of the original (and the module) that returns the broken copy. A target that no longer
+exists, or a recipe edit whose lines no longer occur once in its function, is one line (`Stale`), never a
+mutation that silently stays green.
 """
 
+import ast
 import contextlib
+import functools
 from dataclasses import dataclass
+
+
+class Stale(Exception):
+    """The mutation no longer applies to the code: its message is the one line that says why."""
+
+
+@dataclass(frozen=True)
+class SourceEdit:
+    """A bug in a recipe's own loop, where no toolkit function holds the line: each (old, new) replaces the lines
+    `old` (compared without indentation and trailing comments) that occur exactly once in the target function,
+    by `new`, indented as the first line it replaces. The tests that catch it run the recipe as
+    `python -m recipes.NAME` (or import it), which the patching finder sees; `python recipes/NAME.py` it does not."""
+    edits: tuple
+
+    def rewrite(self, source: str, function: str) -> str:
+        lines = source.splitlines(keepends=True)
+        node = next((n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == function),
+                    None)
+        if node is None:
+            raise Stale(f"the recipe has no function {function}")
+        start, end = node.lineno - 1, node.end_lineno
+        body = lines[start:end]
+        for old, new in self.edits:
+            body = _replace_lines(body, old, new, function)
+        return "".join(lines[:start] + body + lines[end:])
+
+
+def _code(line: str) -> str:
+    return line.split("#", 1)[0].strip()
+
+
+def _replace_lines(body: list, old: tuple, new: tuple, function: str) -> list:
+    runs = [i for i in range(len(body) - len(old) + 1) if all(_code(body[i + k]) == o for k, o in enumerate(old))]
+    if len(runs) != 1:
+        raise Stale(f"{function}'s lines {' / '.join(old)!r} occur {len(runs)} times, not once")
+    at, indent = runs[0], body[runs[0]][:len(body[runs[0]]) - len(body[runs[0]].lstrip())]
+    return body[:at] + [indent + line + "\n" for line in new] + body[at + len(old):]
 
 
 @dataclass(frozen=True)
 class Mutation:
     module: str  # patched right after this module is first imported
-    patch: object  # fn(module): replaces one function of it with a broken copy
+    target: str  # the function it changes: an attribute path in `module` ("TorchEngine.backward")
+    patch: object  # fn(original, module) -> the broken replacement; or a SourceEdit of the target's lines
     caught_by: tuple  # pytest node ids that must fail with the bug in (the cheapest that do)
     breaks: str  # the invariant, in words
 
+    def apply(self, module):
+        """Replace `target` in the imported `module` by the patch's broken copy; Stale when it is not there."""
+        *path, name = self.target.split(".")
+        try:
+            owner = functools.reduce(getattr, path, module)
+            original = getattr(owner, name)
+        except AttributeError:
+            raise Stale(f"{module.__name__} has no {self.target}") from None
+        setattr(owner, name, self.patch(original, module))
 
-@dataclass(frozen=True)
-class SourceEdit:
-    """A bug in a recipe's own loop, where no toolkit function holds the line: each (old, new) replaces text that
-    occurs exactly once in the recipe's source before it is compiled. The tests that catch it run the recipe as
-    `python -m recipes.NAME` (or import it), which the patching finder sees; `python recipes/NAME.py` it does not."""
-    edits: tuple
-
-    def rewrite(self, source: str) -> str:
-        for old, new in self.edits:
-            if source.count(old) != 1:
-                raise AssertionError(f"the mutation's text occurs {source.count(old)} times in the recipe: {old!r}")
-            source = source.replace(old, new)
-        return source
+    def check(self, module_or_source) -> None:
+        """Raise Stale unless the mutation applies: to the imported module, or to a recipe's source text."""
+        if isinstance(self.patch, SourceEdit):
+            self.patch.rewrite(module_or_source, self.target)
+            return
+        *path, name = self.target.split(".")
+        try:
+            getattr(functools.reduce(getattr, path, module_or_source), name)
+        except AttributeError:
+            raise Stale(f"{module_or_source.__name__} has no {self.target}") from None
 
 
 # cifar.py's step: the gradient clipped on every micro-step (each partial sum of an accumulated step), not once.
 _CLIP_EVERY_MICRO_STEP = SourceEdit(((
-    "if accelerator.sync_gradients and cfg.clip_grad_norm:", "if cfg.clip_grad_norm:"),))
+    ("if accelerator.sync_gradients and cfg.clip_grad_norm:",), ("if cfg.clip_grad_norm:",)),))
 # cifar.py's step: the weight average moved on every micro-step, not once per optimizer step.
 _EMA_EVERY_MICRO_STEP = SourceEdit((
-    ("                    if ema:\n                        ema.update()\n", ""),
-    ("                    optimizer.zero_grad(set_to_none=True)\n",
-     "                    optimizer.zero_grad(set_to_none=True)\n                    if ema:\n                        ema.update()\n")))
+    (("if ema:", "ema.update()", "accelerator.log(run.step_done(lr=scheduler.get_last_lr()[0], **norm, **guard.step_done()),"),
+     ("accelerator.log(run.step_done(lr=scheduler.get_last_lr()[0], **norm, **guard.step_done()),",)),
+    (("optimizer.zero_grad(set_to_none=True)",),
+     ("optimizer.zero_grad(set_to_none=True)", "if ema:", "    ema.update()"))))
 
 
-def _head_lr_ignored(optim):
-    decay_groups = optim.decay_groups
-    optim.decay_groups = lambda model, weight_decay, head=(), head_lr=None: decay_groups(model, weight_decay)
+def _head_lr_ignored(decay_groups, optim):
+    return lambda model, weight_decay, head=(), head_lr=None: decay_groups(model, weight_decay)
 
 
-def _confusion_from_rank0_shard(evaluation):
-    update = evaluation.EvalMetrics._update_by_class
-
+def _confusion_from_rank0_shard(update, evaluation):
     def rank0_shard(self, logits, targets):
         import torch.distributed as dist
 
@@ -61,14 +109,14 @@ def _confusion_from_rank0_shard(evaluation):
         share = -(-len(targets) // world)  # a gathered batch is the ranks' batches in rank order
         update(self, logits[:share], targets[:share])
 
-    evaluation.EvalMetrics._update_by_class = rank0_shard
+    return rank0_shard
 
 
-def _data_wait_in_compute(cost):
-    cost.StepCost.waited = lambda self, seconds: None  # the time blocked on the loader lands in compute
+def _data_wait_in_compute(waited, cost):
+    return lambda self, seconds: None  # the time blocked on the loader lands in compute
 
 
-def _peak_memory_of_rank_0(run):
+def _peak_memory_of_rank_0(gathered, run):
     def gathered_peak_memory(self):
         import torch
 
@@ -76,45 +124,39 @@ def _peak_memory_of_rank_0(run):
         rank0 = self.accelerator.reduce(mine * (self.accelerator.process_index == 0), "sum")  # rank 0's, everywhere
         return int(rank0), int(rank0)
 
-    run.TrainingRun.gathered_peak_memory = gathered_peak_memory
+    return gathered_peak_memory
 
 
-def _optimizer_step_noop(base):
-    base.PreparedOptimizer.step = lambda self, closure=None: None
+def _optimizer_step_noop(step, prepared):
+    return lambda self, closure=None: None
 
 
-def _gradients_summed(base):
-    backward = base.TorchEngine.backward
-    base.TorchEngine.backward = lambda self, loss, **kw: backward(self, loss * self.num_processes, **kw)
+def _gradients_summed(backward, base):
+    return lambda self, loss, **kw: backward(self, loss * self.num_processes, **kw)
 
 
-def _bn_stats_summed(training):
+def _bn_stats_summed(average, training):
     def average_batchnorm_stats(model, accelerator):
         for layer in training.batchnorm_layers(accelerator.unwrap_model(model)):
             layer.running_mean.copy_(accelerator.reduce(layer.running_mean, "sum"))
             layer.running_var.copy_(accelerator.reduce(layer.running_var, "sum"))
 
-    training.average_batchnorm_stats = average_batchnorm_stats
+    return average_batchnorm_stats
 
 
-def _resume_at_epoch_start(training):
-    resume_position = training.resume_position
-    training.resume_position = lambda state, samples, acc: resume_position(state, samples, acc)[:2] + (0,)
+def _resume_at_epoch_start(resume_position, training):
+    return lambda state, samples, acc: resume_position(state, samples, acc)[:2] + (0,)
 
 
-def _position_not_resharded(position):
-    resume_position = position.resume_position
-
+def _position_not_resharded(resume_position, position):
     def old_worlds_batches(state, samples_per_step, accelerator):  # the old world's per-process count, kept
         step, epoch, done = resume_position(state, samples_per_step, accelerator)
         return step, epoch, done * accelerator.num_processes // (state.get("world_size") or accelerator.num_processes)
 
-    position.resume_position = old_worlds_batches
+    return old_worlds_batches
 
 
-def _accumulation_from_checkpoint(run):
-    load_state_dict = run.TrainingRun.load_state_dict
-
+def _accumulation_from_checkpoint(load_state_dict, run):
     def keeps_the_old_worlds(self, state):  # the checkpoint's accumulation restored instead of re-derived
         load_state_dict(self, state)
         old = (state.get("attempts") or [{}])[-1].get("accumulation")
@@ -122,12 +164,10 @@ def _accumulation_from_checkpoint(run):
             self.plan.__dict__["accumulation"] = old  # a frozen dataclass
             self.accelerator.gradient_accumulation_steps = old
 
-    run.TrainingRun.load_state_dict = keeps_the_old_worlds
+    return keeps_the_old_worlds
 
 
-def _schedule_restarts_on_world_change(checkpointing):
-    load_training_state = checkpointing.load_training_state
-
+def _schedule_restarts_on_world_change(load_training_state, checkpointing):
     def restarted(engine, path, step):  # another world: the lr schedule's count starts again
         saved = load_training_state(engine, path, step)
         if checkpointing.read_state_json(path).get("world_size") != engine.num_processes:
@@ -136,30 +176,26 @@ def _schedule_restarts_on_world_change(checkpointing):
                     scheduler.last_epoch = 0
         return saved
 
-    checkpointing.load_training_state = restarted
+    return restarted
 
 
-def _checkpoint_drops_optimizer(checkpoint):
-    load = checkpoint.load_checkpoint
-    checkpoint.load_checkpoint = lambda path, optimizer=None, **kw: load(path, **kw)
+def _checkpoint_drops_optimizer(load, checkpoint):
+    return lambda path, optimizer=None, **kw: load(path, **kw)
 
 
-def _metrics_keep_padding(base):
-    base.TorchEngine.gather_for_metrics = lambda self, data: self.gather(data)
+def _metrics_keep_padding(gather_for_metrics, base):
+    return lambda self, data: self.gather(data)
 
 
-def _every_rank_writes(records):
-    init = records.RunRecorder.__init__
-    records.RunRecorder.__init__ = lambda self, output_dir, active: init(self, output_dir, True)
+def _every_rank_writes(init, records):
+    return lambda self, output_dir, active: init(self, output_dir, True)
 
 
-def _augment_from_global_rng(data):
-    data.sample_rng = lambda seed, epoch, index: contextlib.nullcontext()  # the transforms draw from torch's RNG
+def _augment_from_global_rng(sample_rng, data):
+    return lambda seed, epoch, index: contextlib.nullcontext()  # the transforms draw from torch's RNG
 
 
-def _save_state_skips_scheduler(checkpointing):
-    write = checkpointing.CheckpointingMixin._write_state
-
+def _save_state_skips_scheduler(write, checkpointing):
     def without_schedulers(self, *args):
         kept, self._schedulers = self._schedulers, []
         try:
@@ -167,162 +203,158 @@ def _save_state_skips_scheduler(checkpointing):
         finally:
             self._schedulers = kept
 
-    checkpointing.CheckpointingMixin._write_state = without_schedulers
+    return without_schedulers
 
 
-def _skip_one_batch_too_few(prepared):
-    skipping = prepared.PreparedDataLoader.skipping
-    prepared.PreparedDataLoader.skipping = lambda self, n: skipping(self, max(0, n - 1))
+def _skip_one_batch_too_few(skipping, prepared):
+    return lambda self, n: skipping(self, max(0, n - 1))
 
 
-def _sync_gradients_always(base):
-    do_sync = base.TorchEngine._do_sync
-
+def _sync_gradients_always(do_sync, base):
     def always(self):
         do_sync(self)
         self.sync_gradients = True
 
-    base.TorchEngine._do_sync = always
+    return always
 
 
-def _log_on_every_rank(base):
-    def init_trackers(self, project_name, config=None, init_kwargs=None):
+def _log_on_every_rank(init_trackers, base):
+    def on_every_rank(self, project_name, config=None, init_kwargs=None):
         from toolkit.engines.tracking import build_trackers
 
         self.trackers = build_trackers(self.log_with, project_name, self.logging_dir, config, init_kwargs or {})
 
-    base.TorchEngine.init_trackers = init_trackers
+    return on_every_rank
 
 
-def _resume_rewrites_summary(run):
-    run.TrainingRun._finished = lambda self, saved, path: False  # the finished run is evaluated and summarised again
+def _resume_rewrites_summary(finished, run):
+    return lambda self, saved, path: False  # the finished run is evaluated and summarised again
 
 
-def _counters_restart(records):
-    records.RunRecorder.continue_from = lambda self, elapsed_s: None  # a resume's clock starts again at 0
+def _counters_restart(continue_from, records):
+    return lambda self, elapsed_s: None  # a resume's clock starts again at 0
 
 
-def _files_keep_tempfile_mode(weights):
-    weights.honour_umask = lambda *paths: None  # safetensors' 0600 temporary file stays the checkpoint's weights
+def _files_keep_tempfile_mode(honour_umask, weights):
+    return lambda *paths: None  # safetensors' 0600 temporary file stays the checkpoint's weights
 
 
-def _threads_left_to_torch(engines):
+def _threads_left_to_torch(set_threads, engines):
     from toolkit.launch.env import threads_per_process
 
-    engines.set_threads = lambda env: threads_per_process(env, current=0)  # said, never set
+    return lambda env: threads_per_process(env, current=0)  # said, never set
 
 
-def _abbreviations_taken(config):
-    init = config.StrictParser.__init__
-    config.StrictParser.__init__ = lambda self, *args, **kwargs: init(self, *args, **{**kwargs, "allow_abbrev": True})
+def _abbreviations_taken(init, config):
+    return lambda self, *args, **kwargs: init(self, *args, **{**kwargs, "allow_abbrev": True})
 
 
 PARITY, FLAGS, API = "tests/test_parity.py", "tests/test_flags.py", "tests/test_engine_api.py"
 OPTIMIZERS, RECIPE = "tests/test_optimizers.py", "tests/test_recipe.py"
 MUTATIONS = {
     "clipping-on-micro-steps": Mutation(
-        "recipes.cifar", _CLIP_EVERY_MICRO_STEP,
+        "recipes.cifar", "main", _CLIP_EVERY_MICRO_STEP,
         (f"{OPTIMIZERS}::test_adamw_cosine_clipping_and_ema_match_the_hand_written_loop",),
         "clipping: each micro-batch's partial gradient is clipped, so accumulation changes the step"),
     "ema-every-micro-step": Mutation(
-        "recipes.cifar", _EMA_EVERY_MICRO_STEP,
+        "recipes.cifar", "main", _EMA_EVERY_MICRO_STEP,
         (f"{OPTIMIZERS}::test_adamw_cosine_clipping_and_ema_match_the_hand_written_loop",),
         "EMA: the average moves once per micro-step, so its horizon shrinks with accumulation"),
     "confusion-from-rank-0-shard": Mutation(
-        "toolkit.train.evaluation", _confusion_from_rank0_shard,
+        "toolkit.train.evaluation", "EvalMetrics._update_by_class", _confusion_from_rank0_shard,
         ("tests/test_evaluation.py::test_two_gloo_ranks_count_what_one_process_counts",),
         "exact eval: the confusion matrix counts rank 0's shard of each gathered batch only"),
     "data-wait-in-compute": Mutation(
-        "toolkit.train.cost", _data_wait_in_compute,
+        "toolkit.train.cost", "StepCost.waited", _data_wait_in_compute,
         ("tests/test_cost.py::test_the_data_wait_is_the_time_blocked_on_the_loader_and_a_data_bound_run_is_said_once",),
         "cost: the time blocked on the loader is counted as compute, so a data-bound run looks compute-bound"),
     "peak-memory-of-rank-0": Mutation(
-        "toolkit.train.run", _peak_memory_of_rank_0,
+        "toolkit.train.run", "TrainingRun.gathered_peak_memory", _peak_memory_of_rank_0,
         ("tests/test_cost.py::test_the_peak_memory_is_gathered_from_every_rank",),
         "cost: the peak memory reported is rank 0's, so a rank near its device's limit goes unseen"),
     "head-lr-ignored": Mutation(
-        "toolkit.train.optim", _head_lr_ignored,
+        "toolkit.train.optim", "decay_groups", _head_lr_ignored,
         (f"{OPTIMIZERS}::test_a_frozen_backbone_stays_and_the_head_trains_at_head_lr",),
         "fine-tuning: --head-lr is dropped and the head trains at the backbone's lr"),
     "files-keep-tempfile-mode": Mutation(
-        "toolkit.engines.weights", _files_keep_tempfile_mode,
+        "toolkit.engines.weights", "honour_umask", _files_keep_tempfile_mode,
         ("tests/test_checkpoint.py::test_every_file_a_save_writes_has_the_mode_the_umask_gives",),
         "shared storage: a checkpoint's weights keep safetensors' 0600, unreadable to teammates"),
     "threads-left-to-torch": Mutation(
-        "toolkit.engines", _threads_left_to_torch,
+        "toolkit.engines", "set_threads", _threads_left_to_torch,
         ("tests/test_threads.py::test_build_accelerator_sets_the_count_and_says_it",),
         "threads: the start line names a count torch was never given (N processes x all cores)"),
     "abbreviations-taken": Mutation(
-        "toolkit.config", _abbreviations_taken,
+        "toolkit.config", "StrictParser.__init__", _abbreviations_taken,
         (f"{FLAGS}::test_an_abbreviated_flag_is_refused_in_one_sentence_naming_the_flag",),
         "messages: --epoch is silently taken as --epochs"),
     "resume-rewrites-summary": Mutation(
-        "toolkit.train.run", _resume_rewrites_summary,
+        "toolkit.train.run", "TrainingRun._finished", _resume_rewrites_summary,
         ("tests/test_train_parts.py::test_resuming_a_finished_run_reports_its_summary_and_loads_and_writes_nothing",),
         "records: --resume of a finished run trains nothing yet rewrites summary.json (its throughput and wall time lost)"),
     "counters-restart": Mutation(
-        "toolkit.train.records", _counters_restart,
+        "toolkit.train.records", "RunRecorder.continue_from", _counters_restart,
         ("tests/test_train_parts.py::test_a_resume_continues_the_records_clock_and_keeps_every_attempt",),
         "records: after a resume the steps' time column starts again from 0"),
     "optimizer-step-noop": Mutation(
-        "toolkit.engines.prepared", _optimizer_step_noop,
+        "toolkit.engines.prepared", "PreparedOptimizer.step", _optimizer_step_noop,
         (f"{PARITY}::test_one_process_matches_the_hand_written_loop",),
         "parity: PreparedOptimizer.step does nothing (shared by single, dp and ddp)"),
     "gradients-summed": Mutation(
-        "toolkit.engines.base", _gradients_summed,
+        "toolkit.engines.base", "TorchEngine.backward", _gradients_summed,
         (f"{PARITY}::test_two_ranks_match_one_process_with_double_batch[ddp]",),
         "averaging: each rank's loss is scaled by the world size, so DDP's mean of gradients is their sum"),
     "bn-stats-summed": Mutation(
-        "toolkit.train.batchnorm", _bn_stats_summed,
+        "toolkit.train.batchnorm", "average_batchnorm_stats", _bn_stats_summed,
         (f"{FLAGS}::test_sync_bn_on_two_cpu_ranks_says_so_once_and_saves_the_mean_of_the_ranks_statistics",),
         "averaging: --sync-bn's CPU fallback sums the ranks' BatchNorm statistics"),
     "resume-at-epoch-start": Mutation(
-        "toolkit.train.data_position", _resume_at_epoch_start,
+        "toolkit.train.data_position", "resume_position", _resume_at_epoch_start,
         ("tests/test_checkpoint.py::test_resume_position_maps_samples_to_steps",),
         "resume: a mid-epoch checkpoint restarts its epoch from the first batch"),
     "position-not-resharded": Mutation(
-        "toolkit.train.data_position", _position_not_resharded,
+        "toolkit.train.data_position", "resume_position", _position_not_resharded,
         ("tests/test_checkpoint.py::test_resume_position_maps_samples_to_steps",),
         "elastic: a resume on another world keeps the old world's per-process position (samples seen again)"),
     "accumulation-not-re-derived": Mutation(
-        "toolkit.train.run", _accumulation_from_checkpoint,
+        "toolkit.train.run", "TrainingRun.load_state_dict", _accumulation_from_checkpoint,
         ("tests/test_train_parts.py::test_the_position_maps_through_samples_to_another_world_size",),
         "elastic: a resume on another world keeps the old accumulation (the global batch changes)"),
     "schedule-restarts-on-world-change": Mutation(
-        "toolkit.engines.checkpointing", _schedule_restarts_on_world_change,
+        "toolkit.engines.checkpointing", "load_training_state", _schedule_restarts_on_world_change,
         ("tests/test_checkpoint.py::test_a_schedule_saved_by_two_processes_goes_on_from_its_count_on_one",),
         "elastic: the lr schedule's step count starts again after a world change"),
     "checkpoint-drops-optimizer": Mutation(
-        "toolkit.train.checkpoint", _checkpoint_drops_optimizer,
+        "toolkit.train.checkpoint", "load_checkpoint", _checkpoint_drops_optimizer,
         ("tests/test_checkpoint.py::test_round_trip_restores_everything",),
         "resume: loading a checkpoint leaves the optimizer's momentum behind"),
     "metrics-keep-padding": Mutation(
-        "toolkit.engines.base", _metrics_keep_padding,
+        "toolkit.engines.base", "TorchEngine.gather_for_metrics", _metrics_keep_padding,
         ("tests/test_two_ranks.py::test_torchrun[ddp]",),
         "exact eval: gather_for_metrics keeps the samples the sampler repeated as padding"),
     "augment-from-global-rng": Mutation(
-        "toolkit.data.memory", _augment_from_global_rng,
+        "toolkit.data.memory", "sample_rng", _augment_from_global_rng,
         ("tests/test_data_models.py::test_torch_loader_augments_each_sample_by_seed_epoch_and_index_alone",),
         "resume and world-size independence: --loader torch draws crops and flips from the global RNG "
         "(caught on 2 ranks too by test_flags.py::test_torch_loader_resumes_mid_epoch_on_two_ranks_where_the_...)"),
     "every-rank-writes": Mutation(
-        "toolkit.train.records", _every_rank_writes,
+        "toolkit.train.records", "RunRecorder.__init__", _every_rank_writes,
         (f"{FLAGS}::test_only_the_main_process_writes",),
         "one writer: every rank appends to metrics.jsonl and steps.csv"),
     "save-state-skips-scheduler": Mutation(
-        "toolkit.engines.checkpointing", _save_state_skips_scheduler,
+        "toolkit.engines.checkpointing", "CheckpointingMixin._write_state", _save_state_skips_scheduler,
         (f"{API}::test_save_state_restores_everything_and_load_state_verifies[single]",),
         "resume: save_state leaves the learning-rate schedule out of the folder"),
     "skip-first-batches-one-too-few": Mutation(
-        "toolkit.engines.prepared", _skip_one_batch_too_few,
+        "toolkit.engines.prepared", "PreparedDataLoader.skipping", _skip_one_batch_too_few,
         (f"{API}::test_skip_first_batches_resumes_the_same_epoch_mid_way",),
         "mid-epoch resume: skip_first_batches trains one batch of the epoch twice"),
     "sync-gradients-always-true": Mutation(
-        "toolkit.engines.base", _sync_gradients_always,
+        "toolkit.engines.base", "TorchEngine._do_sync", _sync_gradients_always,
         ("tests/test_contract.py::test_contract[single]",),
         "accumulation: every micro-step syncs and steps the optimizer"),
     "log-on-every-rank": Mutation(
-        "toolkit.engines.base", _log_on_every_rank,
+        "toolkit.engines.base", "TorchEngine.init_trackers", _log_on_every_rank,
         (f"{FLAGS}::test_tensorboard_holds_every_step_loss_and_the_config_in_one_file_from_rank_0",),
         "one writer: every rank starts the trackers and writes the same event files"),
 }

@@ -9,8 +9,11 @@ import os
 
 import pytest
 
+import importlib
+import importlib.util
+
 from conftest import PY, ROOT, run
-from mutations import MUTATIONS
+from mutations import MUTATIONS, Mutation, SourceEdit, Stale
 
 MUTANT = ROOT / "tests" / "mutant"
 
@@ -18,6 +21,11 @@ MUTANT = ROOT / "tests" / "mutant"
 @pytest.mark.parametrize("name", sorted(MUTATIONS))
 def test_injected_bug_turns_a_test_red(name, tmp_path):
     mutation, log = MUTATIONS[name], tmp_path / "applied.txt"
+    try:  # the code it changes is still there, as it names it
+        mutation.check(_source(mutation.module) if isinstance(mutation.patch, SourceEdit)
+                       else importlib.import_module(mutation.module))
+    except Stale as stale:
+        pytest.fail(f"{name} no longer applies: {stale}", pytrace=False)
     pythonpath = os.pathsep.join([str(MUTANT), os.environ.get("PYTHONPATH", "")])
     proc = run([PY, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--basetemp", tmp_path / "pytest",
                 *mutation.caught_by], check=False, timeout=300, TOOLKIT_MUTATION=name, TOOLKIT_MUTATION_LOG=log,
@@ -29,6 +37,39 @@ def test_injected_bug_turns_a_test_red(name, tmp_path):
     last = proc.stdout.splitlines()[-1]
     assert proc.returncode == 1 and (" failed" in last or " error" in last), f"{mutation.breaks}: stayed green\n{tail}"
     print(f"{name}: {proc.stdout.splitlines()[-1]}")
+
+
+def _source(module: str) -> str:
+    return open(importlib.util.find_spec(module).origin).read()
+
+
+def test_a_mutation_that_no_longer_applies_says_so_in_one_line():
+    """A renamed function, a moved recipe line: the mutation says which, instead of staying green."""
+    gone = Mutation("toolkit.train.cost", "StepCost.waited_for_data", lambda original, module: original, (), "")
+    with pytest.raises(Stale, match=r"^toolkit\.train\.cost has no StepCost\.waited_for_data$"):
+        gone.check(importlib.import_module("toolkit.train.cost"))
+    clip = MUTATIONS["clipping-on-micro-steps"]
+    source = _source("recipes.cifar")
+    with pytest.raises(Stale, match=r"^the recipe has no function train$"):
+        clip.patch.rewrite(source, "train")
+    moved = source.replace("if accelerator.sync_gradients and cfg.clip_grad_norm:", "if cfg.clip_grad_norm:")
+    with pytest.raises(Stale, match=r"^main's lines 'if accelerator.sync_gradients and cfg.clip_grad_norm:' occur 0 "
+                                    r"times, not once$"):
+        clip.patch.rewrite(moved, "main")
+
+
+def test_a_recipe_edit_applies_to_the_same_lines_indented_and_commented_otherwise():
+    """Reformatting the recipe (2-space indentation, another comment) changes nothing for its mutations."""
+    source = _source("recipes.cifar")
+    reformatted = "\n".join(line[:len(line) - len(line.lstrip(" "))][::2] + line.lstrip(" ") for line in
+                            source.splitlines()).replace("# the whole step's gradient, once", "# once per step")
+    for name in ("clipping-on-micro-steps", "ema-every-micro-step"):
+        mutation = MUTATIONS[name]
+        edited = mutation.patch.rewrite(reformatted, mutation.target)
+        compile(edited, "cifar.py", "exec")  # indented as the lines it replaced
+        assert edited != reformatted and mutation.patch.rewrite(source, "main") != source
+    assert "\n" + " " * 10 + "if cfg.clip_grad_norm:\n" in MUTATIONS["clipping-on-micro-steps"].patch.rewrite(
+        reformatted, "main")
 
 
 def test_ci_runs_exactly_the_readme_test_command():

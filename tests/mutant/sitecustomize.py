@@ -24,8 +24,8 @@ class _PatchOnImport:
             # A recipe's loop: its source is rewritten before it is compiled, whether it is imported or run with
             # `python -m recipes.NAME` (runpy asks the loader found here for the code).
             def edited_code(name):
-                code = compile(self.mutation.patch.rewrite(loader.get_source(name)), loader.get_filename(name), "exec",
-                               dont_inherit=True)
+                source = self.mutation.patch.rewrite(loader.get_source(name), self.mutation.target)
+                code = compile(source, loader.get_filename(name), "exec", dont_inherit=True)
                 _applied(fullname)
                 return code
 
@@ -35,7 +35,7 @@ class _PatchOnImport:
 
         def exec_and_patch(module):
             exec_module(module)
-            self.mutation.patch(module)
+            self.mutation.apply(module)
             _applied(fullname)
 
         loader.exec_module = exec_and_patch
