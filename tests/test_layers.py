@@ -146,3 +146,26 @@ def test_the_check_sees_a_cycle_between_parts_of_one_row(tmp_path):
     })
     assert upward_imports(root) == []
     assert part_cycles(root) == ["toolkit.data -> toolkit.models -> toolkit.data"]
+
+
+def state_json_builders(root: Path) -> list[str]:
+    """Each function that builds state.json's dict: a dict display holding both "world_size" and "dataloaders"."""
+    found = []
+    for module, path in modules(root).items():
+        tree = ast.parse(path.read_text())
+        for function in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            for node in ast.walk(function):
+                keys = {k.value for k in getattr(node, "keys", ()) if isinstance(k, ast.Constant)}
+                if isinstance(node, ast.Dict) and {"world_size", "dataloaders"} <= keys:
+                    found.append(f"{module}.{function.name}")
+    return sorted(set(found))
+
+
+def test_state_json_is_built_in_one_function():
+    assert state_json_builders(TOOLKIT) == ["toolkit.engines.state_files.training_state"]
+
+
+def test_the_check_sees_a_second_state_json_builder(tmp_path):
+    root = _tree(tmp_path, {"__init__.py": "", "a.py": "def f():\n    return {'world_size': 1, 'dataloaders': []}\n",
+                            "b.py": "def g(n):\n    x = {'step': 0, 'world_size': n, 'dataloaders': [1]}\n"})
+    assert state_json_builders(root) == ["toolkit.a.f", "toolkit.b.g"]

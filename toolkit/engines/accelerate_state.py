@@ -16,7 +16,7 @@ from toolkit.engines.checkpointing import (destination, load_source, load_traini
                                            save_sharded_state)
 from toolkit.engines.collectives import all_ranks
 from toolkit.engines.state_files import (CUSTOM_FILE, STATE_NAME, gather_rng_states, load_safe, read_state_json,
-                                         state_json_text, with_registered_state)
+                                         state_json_text, training_state)
 from toolkit.engines.state_folder import (MANIFEST_NAME, check_checkpoint_format, checkpoint_format, publish,
                                           remove_leftovers, seal, verify_folder)
 
@@ -61,13 +61,12 @@ def save_state_atomically(engine, output_dir, safe_serialization, **save_model_f
 
 
 def _position(engine) -> dict:
-    """state.json: where the Accelerator stands and which world saved it, then what registered objects add."""
+    """state.json of the Accelerator's state; its loaders' positions are their epochs (Accelerate's iteration)."""
     accelerator = engine.accelerator
-    state = {"step": accelerator.step, "iteration": accelerator.save_iteration, "engine": engine.name,
-             "world_size": accelerator.num_processes,
-             "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
-             "dataloaders": [{"epoch": getattr(dl, "iteration", 0)} for dl in accelerator._dataloaders]}
-    return with_registered_state(state, accelerator._custom_objects)
+    return training_state(engine=engine.name, step=accelerator.step, iteration=accelerator.save_iteration,
+                          world_size=accelerator.num_processes, accumulation=accelerator.gradient_accumulation_steps,
+                          loaders=[{"epoch": getattr(dl, "iteration", 0)} for dl in accelerator._dataloaders],
+                          registered=accelerator._custom_objects)
 
 
 def load_state_verified(engine, input_dir, load_kwargs, **load_model_func_kwargs):

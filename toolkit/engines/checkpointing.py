@@ -23,7 +23,7 @@ from toolkit.engines.collectives import all_ranks
 from toolkit.engines.full_state import load_full_weights, write_full_weights
 from toolkit.engines.state_files import (CUSTOM_FILE, SCALER_NAME, custom_file, load_safe, read_state_json,
                                          restore_rng, rng_file, rng_state, state_file, state_json_text,
-                                         with_registered_state, write_training_state)
+                                         training_state, write_training_state)
 from toolkit.engines.state_folder import (MANIFEST_NAME, check_checkpoint_format, checkpoint_format, publish,
                                           remove_folder, seal, start_folder, verify_folder)
 from toolkit.engines.weights import one_name_per_storage, save_safetensors
@@ -105,11 +105,10 @@ class CheckpointingMixin:
             raise
 
     def _training_position(self) -> dict:
-        """state.json: where the engine stands and which world saved it, then what registered objects add."""
-        state = {"step": self.step, "iteration": self.save_iteration, "engine": self.name,
-                 "world_size": self.num_processes, "gradient_accumulation_steps": self.gradient_accumulation_steps,
-                 "dataloaders": [loader.position() for loader in self._dataloaders]}
-        return with_registered_state(state, self._custom_objects)
+        return training_state(engine=self.name, step=self.step, iteration=self.save_iteration,
+                              world_size=self.num_processes, accumulation=self.gradient_accumulation_steps,
+                              loaders=[loader.position() for loader in self._dataloaders],
+                              registered=self._custom_objects)
 
     # -- load --------------------------------------------------------------------------------------------
     def load_state(self, input_dir=None, load_kwargs=None, **load_model_func_kwargs):

@@ -65,6 +65,15 @@ def state_json_text(state: dict) -> str:
                         f"strings, lists and dicts.") from None
 
 
+def training_state(*, engine: str, step: int, iteration: int, world_size: int, accumulation: int, loaders: list,
+                   registered) -> dict:
+    """state.json, for every engine: where the engine stands (its micro-step counter `step`, its save count
+    `iteration`), which world saved it, each prepared loader's position, then what registered objects add."""
+    state = {"step": step, "iteration": iteration, "engine": engine, "world_size": world_size,
+             "gradient_accumulation_steps": accumulation, "dataloaders": loaders}
+    return with_registered_state(state, registered)
+
+
 def with_registered_state(state: dict, objects) -> dict:
     """`state` updated with the dict each registered object's `state_json()` returns, where it has that method
     (its keys win): how a training loop puts its position (step, epoch, ...) into state.json."""
