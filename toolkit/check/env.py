@@ -26,8 +26,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 from toolkit.engines import FSDP_WITHOUT_CUDA, resolve_engine
 from toolkit.errors import UserError
-from toolkit.launch.engine_specs import LAUNCH_DEFAULT, engine_spec, engines_where
-from toolkit.launch.env import read_launch_env
+from toolkit.launch.engine_specs import engine_spec, engines_where
+from toolkit.launch.env import launch_engine, read_launch_env
 from toolkit.launch.launcher import (
     check_devices,
     format_plan,
@@ -160,8 +160,8 @@ def as_launched(profile: Profile | None, environ: Mapping[str, str]) -> tuple[Pr
 
 def toolkit_launch(profile: Profile | None, environ: Mapping[str, str], gpus: int) -> tuple[dict, list[Finding]]:
     """What `toolkit launch --config_file PROFILE script.py` would start (engine, command, launcher notes)."""
-    engine = environ.get("TOOLKIT_ENGINE") or LAUNCH_DEFAULT
-    info = {"engine": engine, "engine_reason": "TOOLKIT_ENGINE" if environ.get("TOOLKIT_ENGINE") else "default",
+    engine, reason = launch_engine(None, environ)
+    info = {"engine": engine, "engine_reason": reason,
             "command": None, "notes": [], "runs": engine}
     if profile is None:
         return info, []

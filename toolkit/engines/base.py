@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from toolkit.errors import UserError
-from toolkit.launch.env import LaunchEnv
+from toolkit.launch.env import LaunchEnv, cpu_profile
 from toolkit.engines.accelerate_settings import AccelerateSettingsMixin, release_accelerate_state
 from toolkit.engines.checkpointing import CheckpointingMixin, ProjectConfiguration
 from toolkit.engines.observers import EngineObservers
@@ -37,10 +37,7 @@ MIXED_PRECISION = ("no", "fp16", "bf16")
 def cpu_requested(cpu: bool = False) -> bool:
     """True when this process must train on the CPU: asked in code, by the profile (`use_cpu`, MULTI_CPU:
     the launchers set ACCELERATE_USE_CPU), or no CUDA. A GPU on the host does not override the profile."""
-    import os
-
-    flag = os.environ.get("ACCELERATE_USE_CPU", "").strip().lower() in ("1", "true", "yes", "y", "on")
-    return cpu or flag or not torch.cuda.is_available()
+    return cpu or cpu_profile() or not torch.cuda.is_available()
 
 
 def amp_dtype(mixed_precision: str):

@@ -188,6 +188,34 @@ def _mpi_world(environ: Mapping[str, str]) -> tuple:
             _int(environ, "OMPI_COMM_WORLD_NODE_RANK", default=0), max(1, world_size // max(1, local_world)))
 
 
+def launch_engine(asked: str | None = None, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """The engine `toolkit launch` starts and why: `asked` (--engine), else TOOLKIT_ENGINE, else the default.
+    `toolkit launch` and `toolkit env` both ask here.
+
+    >>> launch_engine("ddp", {}), launch_engine(None, {"TOOLKIT_ENGINE": "fsdp"}), launch_engine(None, {})
+    (('ddp', '--engine'), ('fsdp', 'TOOLKIT_ENGINE'), ('accelerate', 'default'))
+    """
+    from toolkit.launch.engine_specs import LAUNCH_DEFAULT
+
+    environ = os.environ if environ is None else environ
+    if asked:
+        return asked, "--engine"
+    if environ.get("TOOLKIT_ENGINE"):
+        return environ["TOOLKIT_ENGINE"], "TOOLKIT_ENGINE"
+    return LAUNCH_DEFAULT, "default"
+
+
+def cpu_profile(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the profile asked for the CPU (`use_cpu`, MULTI_CPU): the launchers then set ACCELERATE_USE_CPU, and
+    it wins over any GPU on the host. Every reader of that variable asks here.
+
+    >>> cpu_profile({"ACCELERATE_USE_CPU": "True"}), cpu_profile({"ACCELERATE_USE_CPU": "0"}), cpu_profile({})
+    (True, False, False)
+    """
+    environ = os.environ if environ is None else environ
+    return environ.get("ACCELERATE_USE_CPU", "").strip().lower() in ("1", "true", "yes", "y", "on")
+
+
 def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> LaunchEnv:
     """Read the launch environment once; see the module docstring for what each launcher sets."""
     environ = os.environ if environ is None else environ
@@ -196,8 +224,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
     legacy_local_rank = _legacy_local_rank(argv)
     master_addr = environ.get("MASTER_ADDR") or None
     master_port = _int(environ, "MASTER_PORT")
-    # A use_cpu or MULTI_CPU profile: the launchers set it, and it wins over any GPU on the host.
-    use_cpu = environ.get("ACCELERATE_USE_CPU", "").strip().lower() in ("1", "true", "yes", "y", "on")
+    use_cpu = cpu_profile(environ)
 
     if "RANK" in environ and "WORLD_SIZE" in environ:  # torchrun, accelerate launch, legacy launch, spawn
         launcher, rank, world_size, local_rank, local_world, node_rank, num_nodes = _torchrun_group(

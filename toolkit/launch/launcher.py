@@ -26,8 +26,8 @@ from typing import NoReturn
 
 from toolkit.errors import UserError
 from toolkit.launch import rendezvous
-from toolkit.launch.engine_specs import LAUNCH_DEFAULT, engine_spec, engines_where
-from toolkit.launch.env import read_launch_env
+from toolkit.launch.engine_specs import engine_spec, engines_where
+from toolkit.launch.env import launch_engine, read_launch_env
 from toolkit.launch.profiles import Profile, check_profile, load_profile
 from toolkit.launch.rendezvous import MULTI_NODE_PORT
 from toolkit.launch.topology import topology_overrides
@@ -313,7 +313,7 @@ def launch(args) -> int:
 
 def _launch(args) -> int:
     profile = load_profile(args.config_file)
-    engine = args.engine or os.environ.get("TOOLKIT_ENGINE") or LAUNCH_DEFAULT
+    engine, _ = launch_engine(args.engine)
     overrides, notes, min_nodes, max_restarts = topology_overrides(args, profile, engine, read_launch_env())
     if overrides:
         profile = dataclasses.replace(profile, **overrides)

@@ -104,8 +104,9 @@ def devices(num_processes: int, environ=os.environ) -> str:
     """
     import torch
 
-    use_cpu = environ.get("ACCELERATE_USE_CPU", "").strip().lower() in ("1", "true", "yes", "y", "on")
-    gpus = 0 if use_cpu else torch.cuda.device_count()
+    from toolkit.launch.env import cpu_profile
+
+    gpus = 0 if cpu_profile(environ) else torch.cuda.device_count()
     if gpus == 0:
         return "CPU (gloo)" if num_processes > 1 else "CPU"
     ids = list(range(num_processes)) if gpus > 1 else [0]  # one visible GPU: every worker's (as the ddp engine)
