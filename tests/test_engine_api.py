@@ -307,7 +307,8 @@ def test_sharded_save_state_round_trips_on_every_engine(engine, tmp_path):
 @pytest.mark.parametrize("name", ["fsdp", "accelerate"])
 def test_sharded_save_state_from_two_ranks_loads_in_one_process(name, tmp_path):
     """2 ranks save_state sharded (each its own shards: under fsdp each holds half of every tensor); one process
-    under another engine load_states the folder and holds the weights and optimizer state the ranks trained."""
+    under another engine load_states the folder and holds the weights and optimizer state the ranks trained. The
+    replicated values a rank keeps apart, BatchNorm's running statistics, are rank 0's, as a full save's are."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("sharded_save_state", SCRIPTS / "sharded_save_state.py")
@@ -328,6 +329,8 @@ def test_sharded_save_state_from_two_ranks_loads_in_one_process(name, tmp_path):
     weights = accelerator.get_state_dict(model)
     assert weights.keys() == expected["weights"].keys()
     assert all(torch.equal(weights[k], expected["weights"][k]) for k in weights)
+    rank0, rank1 = expected["running_means"]
+    assert not torch.allclose(rank0, rank1) and torch.equal(weights["1.running_mean"], rank0)
     state = optimizer.state_dict()
     assert state["param_groups"] == expected["optimizer"]["param_groups"]
     assert all(torch.equal(state["state"][i][key], saved[key]) for i, saved in expected["optimizer"]["state"].items()

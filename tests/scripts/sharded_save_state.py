@@ -1,6 +1,7 @@
 """`save_state` in the sharded checkpoint format from 2 ranks (torchrun) under the engine named first: each rank
 trains on its own samples, then every rank saves; rank 0 also writes what a full save would hold (the gathered
-weights, the optimizer's full state) to OUT/expected.pt. tests/test_engine_api.py loads the folder in one process.
+weights with rank 0's BatchNorm statistics, the optimizer's full state) and every rank's running mean to
+OUT/expected.pt. tests/test_engine_api.py loads the folder in one process.
 
     torchrun --nproc_per_node 2 tests/scripts/sharded_save_state.py fsdp OUT
 """
@@ -30,8 +31,9 @@ class Position:
 
 def build(accelerator):
     torch.manual_seed(0)
-    # Output sizes 7 and 3 do not divide by 2: the fsdp engine pads those shards.
-    net = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    # Output sizes 7 and 3 do not divide by 2: the fsdp engine pads those shards. The BatchNorm's running
+    # statistics are replicated, not sharded, and each rank's last batch leaves its own.
+    net = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.BatchNorm1d(7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
     optimizer = torch.optim.AdamW(net.parameters(), lr=0.05)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     model, optimizer, scheduler = accelerator.prepare(net, optimizer, scheduler)
@@ -53,7 +55,9 @@ if __name__ == "__main__":
         position.step += 1
     accelerator.save_state(out / "state")
     weights, optimizer_state = accelerator.get_state_dict(model), optimizer.state_dict()  # every rank: collectives
+    mean = accelerator.unwrap_model(model)[1].running_mean
+    means = accelerator.gather(mean.detach().clone()[None])  # each rank's running mean, rank order
     if accelerator.is_main_process:
-        torch.save({"weights": weights, "optimizer": optimizer_state, "scheduler": scheduler.state_dict()},
-                   out / "expected.pt")
+        torch.save({"weights": weights, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+                    "running_means": means}, out / "expected.pt")
     accelerator.end_training()
