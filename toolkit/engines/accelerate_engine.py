@@ -100,7 +100,7 @@ class AccelerateEngine:
         self.env = env
         self.checkpoint_format = check_checkpoint_format(checkpoint_format)  # save_state's: "full" or "sharded"
         self.seed = 0
-        if "cpu" not in kwargs and cpu_requested():  # no CUDA, or a CPU profile on a GPU host; cpu= given wins
+        if "cpu" not in kwargs and cpu_requested(env):  # no CUDA, or a CPU profile on a GPU host; cpu= given wins
             kwargs["cpu"] = True
         elif not kwargs.get("cpu") and torch.cuda.is_available():
             nccl_error_handling()

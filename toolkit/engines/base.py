@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from toolkit.errors import UserError
-from toolkit.launch.env import LaunchEnv, cpu_profile
+from toolkit.launch.env import LaunchEnv
 from toolkit.engines.accelerate_settings import AccelerateSettingsMixin, release_accelerate_state
 from toolkit.engines.checkpointing import CheckpointingMixin, ProjectConfiguration
 from toolkit.engines.observers import EngineObservers
@@ -34,10 +34,10 @@ from toolkit.engines.weights import unwrap_model
 MIXED_PRECISION = ("no", "fp16", "bf16")
 
 
-def cpu_requested(cpu: bool = False) -> bool:
-    """True when this process must train on the CPU: asked in code, by the profile (`use_cpu`, MULTI_CPU:
-    the launchers set ACCELERATE_USE_CPU), or no CUDA. A GPU on the host does not override the profile."""
-    return cpu or cpu_profile() or not torch.cuda.is_available()
+def cpu_requested(env: LaunchEnv, cpu: bool = False) -> bool:
+    """True when this process must train on the CPU: asked in code, by the profile (`env.use_cpu`: `use_cpu`,
+    MULTI_CPU), or no CUDA. A GPU on the host does not override the profile."""
+    return cpu or env.use_cpu or not torch.cuda.is_available()
 
 
 def amp_dtype(mixed_precision: str):
@@ -91,7 +91,7 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
         self.data_seed = getattr(dataloader_config, "data_seed", None)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.device_placement = device_placement
-        self.use_cpu = cpu_requested(cpu)
+        self.use_cpu = cpu_requested(env, cpu)
         self._read_handlers(kwargs_handlers or [], timeout)
         self.seed = None  # set_seed's; None: the data order follows torch's initial seed, as Accelerate's sampler
         self.sync_gradients = True

@@ -20,6 +20,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from toolkit.launch.engine_specs import LAUNCH_DEFAULT
+
 # Variables `accelerate launch` sets for its children, whichever launcher it picks.
 _ACCELERATE_MARKERS = ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND")
 _LEGACY_LOCAL_RANK = re.compile(r"^--local[-_]rank(?:=(\d+))?$")
@@ -195,8 +197,6 @@ def launch_engine(asked: str | None = None, environ: Mapping[str, str] | None = 
     >>> launch_engine("ddp", {}), launch_engine(None, {"TOOLKIT_ENGINE": "fsdp"}), launch_engine(None, {})
     (('ddp', '--engine'), ('fsdp', 'TOOLKIT_ENGINE'), ('accelerate', 'default'))
     """
-    from toolkit.launch.engine_specs import LAUNCH_DEFAULT
-
     environ = os.environ if environ is None else environ
     if asked:
         return asked, "--engine"
@@ -207,7 +207,7 @@ def launch_engine(asked: str | None = None, environ: Mapping[str, str] | None = 
 
 def cpu_profile(environ: Mapping[str, str] | None = None) -> bool:
     """Whether the profile asked for the CPU (`use_cpu`, MULTI_CPU): the launchers then set ACCELERATE_USE_CPU, and
-    it wins over any GPU on the host. Every reader of that variable asks here.
+    it wins over any GPU on the host. read_launch_env (`LaunchEnv.use_cpu`) and spawn's device line ask here.
 
     >>> cpu_profile({"ACCELERATE_USE_CPU": "True"}), cpu_profile({"ACCELERATE_USE_CPU": "0"}), cpu_profile({})
     (True, False, False)
