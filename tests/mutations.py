@@ -64,26 +64,26 @@ class Mutation:
     caught_by: tuple  # pytest node ids that must fail with the bug in (the cheapest that do)
     breaks: str  # the invariant, in words
 
-    def apply(self, module):
-        """Replace `target` in the imported `module` by the patch's broken copy; Stale when it is not there."""
+    def _owner(self, module) -> tuple:
+        """(the object holding `target`, its attribute name, the original); Stale when it is not there."""
         *path, name = self.target.split(".")
         try:
             owner = functools.reduce(getattr, path, module)
-            original = getattr(owner, name)
+            return owner, name, getattr(owner, name)
         except AttributeError:
             raise Stale(f"{module.__name__} has no {self.target}") from None
+
+    def apply(self, module):
+        """Replace `target` in the imported `module` by the patch's broken copy."""
+        owner, name, original = self._owner(module)
         setattr(owner, name, self.patch(original, module))
 
     def check(self, module_or_source) -> None:
         """Raise Stale unless the mutation applies: to the imported module, or to a recipe's source text."""
         if isinstance(self.patch, SourceEdit):
             self.patch.rewrite(module_or_source, self.target)
-            return
-        *path, name = self.target.split(".")
-        try:
-            getattr(functools.reduce(getattr, path, module_or_source), name)
-        except AttributeError:
-            raise Stale(f"{module_or_source.__name__} has no {self.target}") from None
+        else:
+            self._owner(module_or_source)
 
 
 # cifar.py's step: the gradient clipped on every micro-step (each partial sum of an accumulated step), not once.

@@ -40,7 +40,9 @@ EPOCHS, STEPS = 4, 156  # 39 optimizer steps of 128 per epoch
 FLAGS = ["--dataset", "synthetic", "--model", "tiny", "--epochs", EPOCHS, "--lr", 0.02, "--seed", 3,
          "--global-batch-size", 128, "--micro-batch-size", 32, "--checkpoint-every", 5, "--keep", 2]
 WEIGHTS_ATOL, LOSS_ATOL = 4e-3, 1.5e-3  # 3 x the rounding spread, 1.28e-3 and 4.9e-4 (measured above)
-FIRST_CHECKPOINT = 5  # FLAGS' --checkpoint-every
+# FLAGS' --checkpoint-every: the chaos test's first kill lands past it, since a round killed before any
+# checkpoint starts again from step 0 and never says "resumed from" (the resume it waits for).
+FIRST_CHECKPOINT = 5
 CHECKPOINT_EVERY = 10  # the node-lost test's: room for a kill between two checkpoints
 LAST_CALL_S = 2  # how long a shrunk rendezvous waits for the lost machine before going on without it
 
@@ -265,9 +267,6 @@ def test_chaos_kills_and_a_rejoin_end_at_the_uninterrupted_weights(hosts, refere
     for kind in kinds:
         # The round before trains again: its main process has said where it resumed from, and stepped past it.
         elastic.wait_for(f"round {rounds}", lambda: elastic.machine_0().count("resumed from ") >= rounds, deadline)
-        # Past the round's resume point and, in the first round, past the first checkpoint (step 5): a round 0
-        # killed before any checkpoint starts again from step 0 and never says "resumed from" (seed 585736 killed
-        # at step 4 and waited for a resume that could not come).
         at = max(elastic.last_step(), FIRST_CHECKPOINT) + rng.randint(3, 12)
         elastic.wait_for(f"step {at}", lambda: elastic.last_step() >= at, deadline)
         if kind == "node":

@@ -5,13 +5,12 @@ Each case runs the cheapest tests that catch its bug in a fresh pytest with the 
 (tests/mutant/sitecustomize.py) and expects them to FAIL, and the bug to have been applied in some process.
 """
 
-import os
-
-import pytest
-
 import importlib
 import importlib.util
+import os
+from pathlib import Path
 
+import pytest
 from conftest import PY, ROOT, run
 from mutations import MUTATIONS, Mutation, SourceEdit, Stale
 
@@ -40,7 +39,7 @@ def test_injected_bug_turns_a_test_red(name, tmp_path):
 
 
 def _source(module: str) -> str:
-    return open(importlib.util.find_spec(module).origin).read()
+    return Path(importlib.util.find_spec(module).origin).read_text()
 
 
 def test_a_mutation_that_no_longer_applies_says_so_in_one_line():
