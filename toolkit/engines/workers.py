@@ -1,8 +1,10 @@
-"""DataLoader workers that leave stopping to the training process, and the training process stopping them."""
+"""How a training process ends: DataLoader workers that leave stopping to it, it stopping them, and its last
+garbage collection."""
 
 from __future__ import annotations
 
 import atexit
+import gc
 import weakref
 from typing import TYPE_CHECKING
 
@@ -43,3 +45,19 @@ def _stop_loader_workers():
         iterator = getattr(loader, "_iterator", None)  # the persistent workers' iterator, once started
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
+
+
+def collect_once_at_exit():
+    """As this process exits, collect garbage once (every finalizer that is due runs), then freeze what is left
+    (`gc.freeze`), so that the interpreter's own collections at shutdown skip the millions of objects that
+    torch's modules hold. Those passes free nothing the operating system would not, and with torch and
+    torch._dynamo loaded (an optimizer imports it) they cost about 0.6 s of CPU per process (2.9 s against
+    2.3 s for `import torch, torch._dynamo`, measured here); the one collection costs 0.1 s. Registered once."""
+    if not getattr(collect_once_at_exit, "registered", False):
+        atexit.register(_collect_and_freeze)
+        collect_once_at_exit.registered = True
+
+
+def _collect_and_freeze():
+    gc.collect()
+    gc.freeze()
