@@ -45,6 +45,9 @@ WEIGHTS_ATOL, LOSS_ATOL = 4e-3, 1.5e-3  # 3 x the rounding spread, 1.28e-3 and 4
 FIRST_CHECKPOINT = 5
 CHECKPOINT_EVERY = 10  # the node-lost test's: room for a kill between two checkpoints
 LAST_CALL_S = 2  # how long a shrunk rendezvous waits for the lost machine before going on without it
+# A lost machine leaves the rendezvous after 3 missed heartbeats: 3 s at one a second (15 s at torchrun's 5 s,
+# which each loss waited out, idle, before its round could end).
+KEEP_ALIVE_S = 1
 
 
 hosts = pytest.fixture(scope="module", name="hosts")(hosts_or_skip)
@@ -81,7 +84,8 @@ class ElasticRun:
     def __init__(self, hosts, tmp_path, engine, extra=()):
         self.hosts, self.tmp, self.out = hosts, tmp_path, tmp_path / "run"
         self.command = [*TOOLKIT, "launch", "--config_file", profile(tmp_path), "--engine", engine, "--nnodes", "1:2",
-                        "--rdzv_last_call", LAST_CALL_S, "--rdzv_timeout", 60, CIFAR, *FLAGS, *extra,
+                        "--rdzv_last_call", LAST_CALL_S, "--rdzv_keep_alive", KEEP_ALIVE_S,
+                        "--rdzv_timeout", 60, CIFAR, *FLAGS, *extra,
                         "--output-dir", self.out]
         # each launch's process, log and host; `killed`: the launches of a machine killed whole
         self.procs, self.logs, self.hosts_of, self.killed = [], [], [], set()

@@ -87,6 +87,11 @@ def test_launch_plans():
     assert c10d.command[c10d.command.index("--rdzv_endpoint") + 1] == "10.0.0.1:29500"
     # c10d numbers the nodes itself; who hosts the store is said outright, not guessed from the host name
     assert "--node_rank" not in c10d.command and c10d.command[c10d.command.index("--rdzv_conf") + 1] == "is_host=1"
+    elastic = plan_launch(dataclasses.replace(node, rdzv_backend="c10d"), "ddp", ["t.py"], gpus=2, max_restarts=3,
+                          min_nodes=1, last_call_s=2, join_timeout_s=60, keep_alive_s=1)
+    assert elastic.command[elastic.command.index("--nnodes") + 1] == "1:2"
+    assert elastic.command[elastic.command.index("--rdzv_conf") + 1] == \
+        "is_host=1,join_timeout=60,last_call_timeout=2,keep_alive_interval=1"
     with pytest.raises(UserError, match="the single engine runs on one machine"):
         plan_launch(node, "single", ["t.py"], gpus=2)
     ids = plan_launch(dataclasses.replace(multi_gpu, gpu_ids="1,0"), "accelerate", ["t.py"], gpus=2)
@@ -140,6 +145,8 @@ def test_dry_run_prints_command_and_environment(tmp_path):
     (["--config_file", str(CONFIGS / "multi_gpu.yaml"), "--num_processes", "0"], "num_processes must be at least 1"),
     (["--config_file", str(CONFIGS / "multi_node.yaml"), "--machine_rank", "2"], "machine_rank 2 is outside 0..1"),
     (["--config_file", str(CONFIGS / "multi_gpu.yaml"), "--engine", "dp", "--num_processes", "2"], "dp engine"),
+    (["--config_file", str(CONFIGS / "multi_node.yaml"), "--nnodes", "1:2", "--rdzv_keep_alive", "0"],
+     "--rdzv_keep_alive must be a whole number of seconds, at least 1, not 0."),
 ])
 def test_launch_errors_are_one_sentence_and_exit_2(tmp_path, args, sentence):
     (tmp_path / "BAD").write_text("distributed_type: [unclosed\n")

@@ -34,6 +34,9 @@ def _launch_parser(sub):
                    "lost, and grow again up to MAX (the profile's num_machines by default) when they come back")
     p.add_argument("--rdzv_last_call", "--rdzv-last-call", type=float, default=30.0, metavar="S",
                    help="elastic: once MIN machines are there, seconds to wait for more before training (default 30)")
+    p.add_argument("--rdzv_keep_alive", "--rdzv-keep-alive", type=int, default=5, metavar="S",
+                   help="elastic: each machine's agent tells the rendezvous it is alive every S seconds, and one "
+                        "silent for 3 of them is dropped, so a lost machine's peers go on after 3 x S (default 5)")
     p.add_argument("--rdzv_timeout", "--rdzv-timeout", type=float, default=300.0,
                    help="seconds the machines of a multi-node job wait for each other before giving up")
     p.add_argument("--dry-run", "--dry_run", action="store_true", help="print the command and environment only")

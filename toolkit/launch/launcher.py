@@ -175,7 +175,8 @@ def _torchrun_command(profile: Profile, max_restarts: int, notes: list, min_node
 
 def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus: int | None = None,
                 max_restarts: int = 0, environ=None, min_nodes: int | None = None,
-                last_call_s: float | None = None, join_timeout_s: float | None = None) -> LaunchPlan:
+                last_call_s: float | None = None, join_timeout_s: float | None = None,
+                keep_alive_s: int | None = None) -> LaunchPlan:
     """The command and environment that start `script_and_args` under `engine` with `profile`; elastic between
     `min_nodes` and the profile's num_machines when `min_nodes` is given (torchrun's c10d rendezvous, for the
     accelerate engine too: accelerate launch takes one node count)."""
@@ -197,7 +198,8 @@ def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus:
         notes += node_notes
         if min_nodes and node_args:  # is_host=R is there: one --rdzv_conf for all
             node_args[1] += "".join(f",{key}={value:g}" for key, value in
-                                    (("join_timeout", join_timeout_s), ("last_call_timeout", last_call_s)) if value)
+                                    (("join_timeout", join_timeout_s), ("last_call_timeout", last_call_s),
+                                     ("keep_alive_interval", keep_alive_s)) if value)
             # A lost machine's peers and the rendezvous store print C++ warnings with stack frames by the dozen
             # while the round ends; the workers' own line says what happened.
             if "TORCH_CPP_LOG_LEVEL" not in environ:
@@ -332,8 +334,11 @@ def _launch(args) -> int:
         raise UserError(f"--rdzv_timeout must be positive, not {args.rdzv_timeout:g}.")
     if args.rdzv_last_call < 0:
         raise UserError(f"--rdzv_last_call must be at least 0, not {args.rdzv_last_call:g}.")
+    if args.rdzv_keep_alive < 1:
+        raise UserError(f"--rdzv_keep_alive must be a whole number of seconds, at least 1, not {args.rdzv_keep_alive}.")
     plan = plan_launch(profile, engine, args.script, max_restarts=max_restarts, min_nodes=min_nodes,
-                       last_call_s=args.rdzv_last_call, join_timeout_s=args.rdzv_timeout)
+                       last_call_s=args.rdzv_last_call, join_timeout_s=args.rdzv_timeout,
+                       keep_alive_s=args.rdzv_keep_alive)
     for note in notes + list(plan.notes):
         print(f"[toolkit] {note}", file=sys.stderr)
     if args.dry_run:
