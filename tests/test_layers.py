@@ -1,4 +1,4 @@
-"""Imports flow one way through the toolkit's layers (STYLE.md): errors/config <- launch <- engines <- data/models
+"""Modules stay short (a file within 400 lines, a function within 60) and imports flow one way through the toolkit's layers (STYLE.md): errors/config <- launch <- engines <- data/models
 <- train <- check <- cli and the package itself. Every import counts: at the top of a module or inside a function,
 `import toolkit.x`, `from toolkit.x import y`, `from toolkit import x` and relative ones. A lower layer that needs
 to call up exposes a hook instead (toolkit/engines/observers.py)."""
@@ -169,3 +169,33 @@ def test_the_check_sees_a_second_state_json_builder(tmp_path):
     root = _tree(tmp_path, {"__init__.py": "", "a.py": "def f():\n    return {'world_size': 1, 'dataloaders': []}\n",
                             "b.py": "def g(n):\n    x = {'step': 0, 'world_size': n, 'dataloaders': [1]}\n"})
     assert state_json_builders(root) == ["toolkit.a.f", "toolkit.b.g"]
+
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60  # a file and a function one reads in one sitting
+
+
+def too_long(root: Path) -> list[str]:
+    """Each module over MAX_FILE_LINES lines and each function over MAX_FUNCTION_LINES, as `name: lines`."""
+    found = []
+    for module, path in modules(root).items():
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_FILE_LINES:
+            found.append(f"{module}: {len(text.splitlines())}")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    found.append(f"{module}.{node.name}: {length}")
+    return found
+
+
+def test_no_module_is_over_400_lines_and_no_function_over_60():
+    """The recipes' main() is the one exception: the loop reads top to bottom there, on purpose (STYLE.md)."""
+    assert too_long(TOOLKIT) == []
+
+
+def test_the_check_sees_a_long_module_and_a_long_function(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(60))
+    root = _tree(tmp_path, {"__init__.py": "", "a.py": "def f():\n" + body, "b.py": "y = 0\n" * 401,
+                            "c.py": "def g():\n" + body[:-len("    x59 = 59\n")]})
+    assert too_long(root) == ["toolkit.a.f: 61", "toolkit.b: 401"]

@@ -1,6 +1,6 @@
 """A run's attempts: each launch or restart that trained part of the run keeps its figures in summary.json's
 `attempts` (steps, world, plan, rate). What follows from the list: the resumes onto another world, the line such a
-resume says, and the rate over every attempt.
+resume says, the rate over every attempt, and the restart count every rank agrees on.
 """
 
 from __future__ import annotations
@@ -45,3 +45,12 @@ def overall_rate(attempts: list[dict], global_batch: int) -> float | None:
     timed = [(a["to_step"] - a["from_step"]) * global_batch for a in attempts if a.get("images_per_s")]
     seconds = sum(n / a["images_per_s"] for n, a in zip(timed, (a for a in attempts if a.get("images_per_s"))))
     return round(sum(timed) / seconds, 1) if seconds > 0 else None
+
+
+def agreed_restart_count(accelerator) -> int:
+    """How often torchrun (or toolkit launch) restarted the job, the same on every rank: the highest count any
+    rank was started with (a node whose own workers did not fail re-joins with its count unchanged)."""
+    import torch
+
+    counts = accelerator.gather(torch.tensor([accelerator.env.restart_count], device=accelerator.device))
+    return int(counts.max())

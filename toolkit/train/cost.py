@@ -155,6 +155,12 @@ def gib(n: float) -> str:
     return f"{n / 2 ** 30:.1f} GiB"
 
 
+def peak_range(peaks: tuple[int, int]) -> str:
+    """The ranks' (least, most) peak memory as the evaluation line shows it: one figure when they round alike."""
+    shown = list(dict.fromkeys(map(gib, peaks)))
+    return " to ".join(shown) + (" per rank" if len(shown) > 1 else "")
+
+
 # Dense peak TFLOP/s per device for bf16/fp16 tensor-core math (fp32 in parentheses where it differs), from the
 # vendors' datasheets (without sparsity). A device not listed has no MFU ("unknown") unless --peak-tflops says.
 PEAK_TFLOPS = {  # name fragment (torch.cuda.get_device_name) -> (bf16/fp16, fp32)

@@ -25,18 +25,17 @@ import torch
 from tqdm import tqdm
 
 from toolkit.errors import UserError, install_excepthook
-from toolkit.train.attempts import overall_rate, world_change_line, world_changes
+from toolkit.train.attempts import agreed_restart_count, overall_rate, world_change_line, world_changes
 from toolkit.train.best import BestCheckpoint
 from toolkit.train.checkpoint import (check_run_state, checkpoint_folder, finish_checkpoint, latest_checkpoint,
                                       load_checkpoint, read_state)
 from toolkit.train.config_changes import config_changes
-from toolkit.train.cost import (StepCost, gib, mfu, peak_flops, peak_memory_bytes,
+from toolkit.train.cost import (StepCost, mfu, peak_flops, peak_memory_bytes, peak_range,
                                 seconds_since_process_start)
 from toolkit.train.data_position import epoch_batches, resume_position
 from toolkit.train.divergence import DivergenceWatch
 from toolkit.train.profiling import StepProfiler
 from toolkit.train.records import RunRecorder, Throughput, check_fresh_output_dir
-
 
 
 class TrainingRun:
@@ -388,20 +387,7 @@ class TrainingRun:
         return summary
 
 
-def peak_range(peaks: tuple[int, int]) -> str:
-    """The ranks' (least, most) peak memory as the evaluation line shows it: one figure when they round alike."""
-    shown = list(dict.fromkeys(map(gib, peaks)))
-    return " to ".join(shown) + (" per rank" if len(shown) > 1 else "")
-
-
 def average_figures(metrics: dict) -> dict:
     """The weight average's test figures (--ema-decay: `evaluate` puts them under "ema"), as the records name them."""
     ema = metrics.get("ema")
     return {"ema_test_accuracy": ema["accuracy"], "ema_test_loss": ema["loss"]} if ema else {}
-
-
-def agreed_restart_count(accelerator) -> int:
-    """How often torchrun (or toolkit launch) restarted the job, the same on every rank: the highest count any
-    rank was started with (a node whose own workers did not fail re-joins with its count unchanged)."""
-    counts = accelerator.gather(torch.tensor([accelerator.env.restart_count], device=accelerator.device))
-    return int(counts.max())
