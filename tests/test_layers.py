@@ -1,7 +1,8 @@
-"""Modules stay short (a file within 400 lines, a function within 60) and imports flow one way through the toolkit's layers (STYLE.md): errors/config <- launch <- engines <- data/models
-<- train <- check <- cli and the package itself. Every import counts: at the top of a module or inside a function,
-`import toolkit.x`, `from toolkit.x import y`, `from toolkit import x` and relative ones. A lower layer that needs
-to call up exposes a hook instead (toolkit/engines/observers.py)."""
+"""Modules stay short (a file within 400 lines, a function within 60), and imports flow one way through the
+toolkit's layers (STYLE.md): errors/config <- launch <- engines <- data/models <- train <- check <- cli and the
+package itself. Every import counts: at the top of a module or inside a function, `import toolkit.x`,
+`from toolkit.x import y`, `from toolkit import x` and relative ones. A lower layer that needs to call up exposes
+a hook instead (toolkit/engines/observers.py)."""
 
 import ast
 from pathlib import Path
