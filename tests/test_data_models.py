@@ -317,6 +317,32 @@ def test_synthetic_is_deterministic_and_balanced():
     assert torch.bincount(a.train_y).tolist() == [20] * 10
 
 
+def synthetic_as_written_out(n_train, n_test, classes, seed):
+    """make_synthetic's images by its docstring, written without the toolkit: each class a 4x4 colour grid
+    upsampled to 40x40, each sample its class's 32x32 window at a random shift plus Gaussian noise, drawn from
+    one generator in the same order (the grid; then per split the label order, the shifts, the noise)."""
+    g = torch.Generator().manual_seed(seed)
+    prototypes = F.interpolate(torch.rand(classes, 3, 4, 4, generator=g) * 2 - 1, size=(40, 40), mode="bilinear",
+                               align_corners=False)
+    splits = []
+    for n in (n_train, n_test):
+        labels = (torch.arange(n) % classes)[torch.randperm(n, generator=g)]
+        dy, dx = torch.randint(0, 9, (n,), generator=g), torch.randint(0, 9, (n,), generator=g)
+        shifted = torch.stack([prototypes[c, :, y:y + 32, x:x + 32] for c, y, x in zip(labels, dy, dx)])
+        noisy = 128 + 30 * shifted + 70 * torch.randn(shifted.shape, generator=g)
+        splits += [noisy.round().clamp(0, 255).to(torch.uint8), labels]
+    return splits
+
+
+@pytest.mark.parametrize("n_train, n_test, classes, seed", [(300, 77, 10, 3), (40, 9, 3, 0)])
+def test_synthetic_images_are_the_ones_its_docstring_describes(n_train, n_test, classes, seed):
+    """Bit for bit on this machine's kernels: the in-place arithmetic and the strided crops change no value."""
+    data = make_synthetic(n_train, n_test, classes, seed)
+    expected = synthetic_as_written_out(n_train, n_test, classes, seed)
+    assert all(torch.equal(got, want) for got, want in zip((data.train_x, data.train_y, data.test_x, data.test_y),
+                                                           expected))
+
+
 @pytest.fixture
 def one_thread():
     # Small convs gain nothing from a second thread, and when other tests' processes share the two

@@ -150,9 +150,12 @@ def _synthetic_split(prototypes: torch.Tensor, n: int, g: torch.Generator):
     labels = labels[torch.randperm(n, generator=g)]
     dy = torch.randint(0, 2 * PAD + 1, (n,), generator=g)
     dx = torch.randint(0, 2 * PAD + 1, (n,), generator=g)
-    shifted = _gather_crops(prototypes, labels, dy, dx, torch.zeros(n, dtype=torch.bool))
-    noisy = 128 + 30 * shifted + 70 * torch.randn(shifted.shape, generator=g)
-    return noisy.round().clamp(0, 255).to(torch.uint8), labels
+    # Each sample's class prototype cropped at (dy, dx): one indexing of a strided view holding every window.
+    shifted = prototypes.unfold(2, 32, 1).unfold(3, 32, 1)[labels, :, dy, dx]
+    # 128 + 30 * shifted + 70 * noise, each operation in place: the same float32 roundings, without the
+    # temporaries (this runs in every process of every synthetic run).
+    noisy = shifted.mul_(30).add_(128).add_(torch.randn(shifted.shape, generator=g).mul_(70))
+    return noisy.round_().clamp_(0, 255).to(torch.uint8), labels
 
 
 def normalize(x: torch.Tensor) -> torch.Tensor:
@@ -203,18 +206,6 @@ def _crop_flip(x: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, flip: torch.
     windows = torch.stack([padded, padded.flip(-1)], 1).unfold(3, size, 1).unfold(4, size, 1)
     columns = torch.where(flip, 2 * PAD - dx, dx)
     return windows[torch.arange(len(x), device=x.device), flip.long(), :, dy, columns]
-
-
-def _gather_crops(src, src_idx, dy, dx, flip, size: int = 32) -> torch.Tensor:
-    """out[i] = src[src_idx[i]] cropped at (dy[i], dx[i]) and mirrored where flip[i], as one gather
-    from the flattened source: ~2.5x faster on CPU than four-tensor advanced indexing."""
-    channels, height, width = src.shape[1:]
-    ar = torch.arange(size, device=src.device)
-    rows = dy[:, None] + ar                                             # n x size
-    cols = dx[:, None] + torch.where(flip[:, None], size - 1 - ar, ar)  # a flip reads columns backwards
-    planes = (src_idx[:, None] * channels + torch.arange(channels, device=src.device)) * (height * width)
-    flat = planes[:, :, None, None] + rows[:, None, :, None] * width + cols[:, None, None, :]
-    return src.reshape(-1)[flat]
 
 
 def mix_seed(*values: int) -> int:
