@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 
-from toolkit.engines.workers import collect_once_at_exit
+from toolkit.engines.workers import freeze_what_is_loaded
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -94,9 +94,9 @@ def read_json(path):
 
 
 PY = sys.executable
-# Every pytest process (the workers, and the pytest each mutation case starts) has torch loaded: it leaves
-# without the interpreter's shutdown collections over it, as a training process does.
-collect_once_at_exit()
+# Every pytest process (the workers, and the pytest each mutation case starts) has torch loaded: its collector
+# skips torch's objects from here on, and it leaves without the shutdown collections, as a training process does.
+freeze_what_is_loaded()
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
 ACCELERATE = [PY, "-m", "accelerate.commands.launch"]
 TOOLKIT = [PY, "-m", "toolkit.cli"]

@@ -115,27 +115,39 @@ def test_free_memory_forgets_what_was_prepared(engine):
     assert released == [None] and engine._models == [] and engine.step == 0
 
 
-EXIT_CHILD = """
+FREEZE_CHILD = """
 import atexit, gc, os, sys
+import torch
 import toolkit
-atexit.register(lambda: print(f"finalized={os.path.exists(sys.argv[1])} frozen={gc.get_freeze_count()}"))
-gc.disable()  # the cycle below is garbage only an exit-time collection finds
+before, at_exit = sys.argv[1:3]
+atexit.register(lambda: print(f"exit: finalized={os.path.exists(at_exit)} frozen={gc.get_freeze_count()}"))
+gc.disable()  # the cycles below are garbage that only the toolkit's collections find
 class Cycle:
+    def __init__(self, path):
+        self.path, self.me = path, self
     def __del__(self):
-        open(sys.argv[1], "w").close()
-cycle = Cycle()
-cycle.me = cycle
-del cycle
+        open(self.path, "w").close()
+Cycle(before)
+kept = [torch.nn.Linear(2, 2)]
 toolkit.build_accelerator("single")
+print(f"built: finalized={os.path.exists(before)} frozen={gc.get_freeze_count()} "
+      f"kept_frozen={all(tracked is not kept for tracked in gc.get_objects())}")  # frozen: in no generation
+Cycle(at_exit)
 """
 
 
-def test_a_process_with_an_engine_collects_once_at_exit_and_freezes_the_rest(tmp_path):
-    """Its exit handler (run before the script's own, registered earlier) runs the finalizer of a cycle nothing
-    collected yet, then freezes every object, which the interpreter's collections at shutdown then skip."""
-    proc = run([PY, "-c", EXIT_CHILD, tmp_path / "finalized"])
-    finalized, frozen = re.fullmatch(r"finalized=(\w+) frozen=(\d+)", proc.stdout.strip()).groups()
-    assert finalized == "True" and int(frozen) > 100_000, proc.stdout  # torch alone holds about 180,000 (measured)
+def test_a_process_with_an_engine_freezes_what_it_loaded_and_collects_once_at_exit(tmp_path):
+    """build_accelerator collects the garbage there is (a dropped cycle's finalizer runs) and freezes what is
+    alive (torch's objects, the script's), which later collections skip. At exit its handler (run before the
+    script's own, registered earlier) runs the finalizer of a cycle dropped since, then freezes the rest, which
+    the interpreter's collections at shutdown then skip."""
+    proc = run([PY, "-c", FREEZE_CHILD, tmp_path / "before", tmp_path / "at_exit"])
+    built, at_exit = proc.stdout.splitlines()
+    finalized, frozen, kept = re.fullmatch(r"built: finalized=(\w+) frozen=(\d+) kept_frozen=(\w+)", built).groups()
+    assert finalized == "True" and kept == "True", built
+    assert int(frozen) > 100_000, built  # torch alone holds about 180,000 (measured)
+    finalized, frozen_at_exit = re.fullmatch(r"exit: finalized=(\w+) frozen=(\d+)", at_exit).groups()
+    assert finalized == "True" and int(frozen_at_exit) > int(frozen), at_exit
 
 
 @pytest.mark.parametrize("name", ["single", "ddp"])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 
-from toolkit.engines.workers import collect_once_at_exit
+from toolkit.engines.workers import freeze_what_is_loaded
 from toolkit.errors import UserError, install_excepthook
 from toolkit.launch.engine_specs import AUTO_BY_LAUNCHER, ENGINE_SPECS
 from toolkit.launch.env import LaunchEnv, Threads, read_launch_env, threads_per_process
@@ -57,7 +57,7 @@ def build_accelerator(engine: str = "auto", **kwargs):
     """
     env = read_launch_env()
     install_excepthook()
-    collect_once_at_exit()
+    freeze_what_is_loaded()
     if env.accelerate_lost_processes:
         raise UserError(
             "accelerate launch was asked for several processes but started only this one (a MULTI_CPU profile "

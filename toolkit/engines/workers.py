@@ -1,5 +1,5 @@
-"""How a training process ends: DataLoader workers that leave stopping to it, it stopping them, and its last
-garbage collection."""
+"""How a training process lives and ends: DataLoader workers that leave stopping to it, it stopping them, and
+what its garbage collector walks (what was loaded before training is frozen, the rest collected once at exit)."""
 
 from __future__ import annotations
 
@@ -47,15 +47,27 @@ def _stop_loader_workers():
             iterator._shutdown_workers()
 
 
-def collect_once_at_exit():
-    """As this process exits, collect garbage once (every finalizer that is due runs), then freeze what is left
-    (`gc.freeze`), so that the interpreter's own collections at shutdown skip the ~200,000 objects that
-    torch's modules hold. Those passes free nothing the operating system would not, and with torch and
-    torch._dynamo loaded (an optimizer imports it) they cost about 0.6 s of CPU per process (2.9 s against
-    2.3 s for `import torch, torch._dynamo`, measured here); the one collection costs 0.1 s. Registered once."""
-    if not getattr(collect_once_at_exit, "registered", False):
-        atexit.register(_collect_and_freeze)
-        collect_once_at_exit.registered = True
+def freeze_what_is_loaded():
+    """Tell the garbage collector that what this process has loaded so far lives as long as the process, and
+    leave without the interpreter's shutdown collections. Once per process (build_accelerator calls it):
+
+    - now: collect once, then freeze every object still alive (`gc.freeze`): the modules, classes and functions
+      of torch and of the script's imports, about 180,000 objects. Every later collection skips them; without
+      this, each full collection walks them all again while torch._dynamo (which an optimizer's first step
+      imports) and the run's own objects load. Measured here: the collector's time in a 3-step tiny cifar run
+      went from 0.75 s to 0.52 s, its CPU from 3.61 s to 3.40 s (4 runs each). The same freeze keeps forked
+      DataLoader workers from copying those pages by touching them (Python's gc.freeze documentation).
+    - at exit: collect once more (every finalizer that is due runs), then freeze what is left, so that the
+      interpreter's own collections at shutdown, which free nothing the operating system would not, skip
+      everything: with torch and torch._dynamo loaded they cost about 0.6 s of CPU per process.
+
+    A cycle among the objects frozen now that later becomes garbage is not reclaimed: build the accelerator
+    first, before the model and the data, as Accelerate's examples create their Accelerator."""
+    if getattr(freeze_what_is_loaded, "done", False):
+        return
+    freeze_what_is_loaded.done = True
+    _collect_and_freeze()
+    atexit.register(_collect_and_freeze)
 
 
 def _collect_and_freeze():
