@@ -81,10 +81,12 @@ def main(argv=None):
     # Stepped once per optimizer step below (a prepared one ticks once per process), saved with the state.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg.schedule, run.total_steps, cfg.warmup))
     ema = WeightEMA(model, cfg.ema_decay, accelerator) if cfg.ema_decay else None  # --ema-decay: averaged weights
-    accelerator.register_for_checkpointing(scheduler, run, *([ema] if ema else []))
-    if (folder := run.resume_folder()) is not None:
-        accelerator.load_state(folder)  # weights, optimizer, schedule, every rank's RNG and the run's position
-    if run.finished:  # --resume of a run that had ended: its summary.json stands, nothing is trained or rewritten
+    checkpointed = [scheduler, run, *([ema] if ema else [])]  # in every save_state, in this order
+    accelerator.register_for_checkpointing(*checkpointed)
+    resume = run.resume_folder(model, optimizer, checkpointed)  # --resume, or a restart: start, load_state, ...
+    if resume.action == "load_state":
+        accelerator.load_state(resume.folder)  # weights, optimizer, schedule, every rank's RNG and the run's position
+    if resume.action == "finished":  # a run that had ended: its summary.json stands, nothing is trained or rewritten
         accelerator.end_training()
         return run.finished
     accelerator.init_trackers("logs", config=asdict(cfg))  # --log-with's trackers, in OUTPUT_DIR/logs

@@ -161,8 +161,8 @@ def train(tmp_path, values, stop, keep_best, **changes):
     cfg = config(tmp_path, epochs=len(values), keep=1, keep_best=keep_best, **changes)
     run = TrainingRun(accelerator, cfg, plan_batches(4, 1, 4), batches_per_epoch=1)
     accelerator.register_for_checkpointing(run)
-    if (folder := run.resume_folder()) is not None:
-        accelerator.load_state(folder)
+    if (resume := run.resume_folder(model, optimizer, [run])).action == "load_state":
+        accelerator.load_state(resume.folder)
     for _ in run.epochs():
         for _ in run.batches([0]):
             run.step_done(loss=1.0, lr=0.1)

@@ -200,3 +200,40 @@ def test_the_check_sees_a_long_module_and_a_long_function(tmp_path):
     root = _tree(tmp_path, {"__init__.py": "", "a.py": "def f():\n" + body, "b.py": "y = 0\n" * 401,
                             "c.py": "def g():\n" + body[:-len("    x59 = 59\n")]})
     assert too_long(root) == ["toolkit.a.f: 61", "toolkit.b: 401"]
+
+
+ENGINE_NAMES = ("accelerator", "engine")  # what the toolkit's code calls an engine it is handed
+
+
+def private_engine_reads(root: Path) -> list[str]:
+    """Each read of an engine's `_`-prefixed attribute (`accelerator._models`, `self.accelerator._x`, `engine._y`;
+    dunders aside) in a module outside toolkit.engines, as `module:line: accelerator._name`."""
+    found = []
+    for module, path in modules(root).items():
+        if module == "toolkit.engines" or module.startswith("toolkit.engines."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                continue
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else None
+            if name in ENGINE_NAMES:
+                found.append((module, node.lineno, f"{name}.{node.attr}"))
+    return [f"{module}:{line}: {read}" for module, line, read in sorted(found)]
+
+
+def test_no_module_outside_the_engines_reads_an_engines_private_attribute():
+    """The training parts, the checks and the CLI use the Accelerator API an engine shares with Accelerate's own
+    class, so they work over either (TrainingRun included)."""
+    assert private_engine_reads(TOOLKIT) == []
+
+
+def test_the_check_sees_private_reads_of_an_engine_outside_the_engines(tmp_path):
+    root = _tree(tmp_path, {"__init__.py": "", "engines/__init__.py": "x = accelerator._models\n",
+                            "train/__init__.py": "", "train/run.py": (
+                                "def f(self, accelerator, engine):\n    a = self.accelerator._custom_objects\n"
+                                "    b = accelerator._optimizers[0]\n    c = engine._wrap_model\n"
+                                "    d = accelerator.__class__\n    e = self._accelerator\n")})
+    assert private_engine_reads(root) == ["toolkit.train.run:2: accelerator._custom_objects",
+                                          "toolkit.train.run:3: accelerator._optimizers",
+                                          "toolkit.train.run:4: engine._wrap_model"]

@@ -15,6 +15,7 @@ import toolkit
 from toolkit.engines.state_folder import seal
 from toolkit.errors import RunFailure, UserError
 from toolkit.train import EvalMetrics, TrainingConfig, TrainingRun, apply_preset, check_config, plan_batches, run_guard
+from toolkit.train.resume import Resume
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +95,7 @@ def test_a_resume_continues_the_records_clock_and_keeps_every_attempt(accelerato
 
 def test_resuming_a_finished_run_reports_its_summary_and_loads_and_writes_nothing(accelerator, tmp_path, capsys):
     """The checkpoint at a run's last step, with summary.json reporting that step: the resume has nothing to load
-    (resume_folder gives None) and hands back the summary as it stands, saying so once."""
+    (resume_folder says "finished") and hands back the summary as it stands, saying so once."""
     plan = plan_batches(4, 1, 4)
     done = TrainingRun(accelerator, config(tmp_path, epochs=1), plan, batches_per_epoch=3)
     for _ in done.epochs():
@@ -108,7 +109,7 @@ def test_resuming_a_finished_run_reports_its_summary_and_loads_and_writes_nothin
     records = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()}
     capsys.readouterr()
     again = TrainingRun(accelerator, config(tmp_path, epochs=1, resume=str(folder)), plan, batches_per_epoch=3)
-    assert again.resume_folder() is None
+    assert again.resume_folder(None, None, [again]) == Resume("finished", folder)
     assert (again.finished["steps"], again.finished["test_accuracy"]) == (3, 0.75)
     assert capsys.readouterr().out.startswith(f"{tmp_path / 'run'} already finished at step 3 (checkpoint {folder}): "
                                               "test accuracy 0.7500")

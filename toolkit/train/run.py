@@ -1,9 +1,10 @@
 """Where a training run stands and what it writes: the part a recipe's loop calls between optimizer steps.
 
     run = TrainingRun(accelerator, cfg, plan, batches_per_epoch=len(train_loader))
-    accelerator.register_for_checkpointing(scheduler, run)      # its position is saved with every save_state
-    if (folder := run.resume_folder()) is not None:
-        accelerator.load_state(folder)
+    checkpointed = [scheduler, run]                             # its position is saved with every save_state
+    accelerator.register_for_checkpointing(*checkpointed)
+    if (resume := run.resume_folder(model, optimizer, checkpointed)).action == "load_state":
+        accelerator.load_state(resume.folder)
     for epoch in run.epochs():
         for batch in run.batches(train_loader):                 # mid-epoch after a resume, whole steps only
             ...                                                 # accumulate, backward, step
@@ -28,7 +29,7 @@ from toolkit.errors import UserError, install_excepthook
 from toolkit.train.attempts import agreed_restart_count, overall_rate, world_change_line, world_changes
 from toolkit.train.best import BestCheckpoint
 from toolkit.train.checkpoint import (check_run_state, checkpoint_folder, finish_checkpoint, latest_checkpoint,
-                                      load_checkpoint, read_state)
+                                      read_state)
 from toolkit.train.config_changes import config_changes
 from toolkit.train.cost import (StepCost, mfu, peak_flops, peak_memory_bytes, peak_range,
                                 seconds_since_process_start)
@@ -36,6 +37,7 @@ from toolkit.train.data_position import epoch_batches, resume_position
 from toolkit.train.divergence import DivergenceWatch
 from toolkit.train.profiling import StepProfiler
 from toolkit.train.records import RunRecorder, Throughput, check_fresh_output_dir
+from toolkit.train.resume import Resume, load_weights_and_schedule, schedule_among
 
 
 class TrainingRun:
@@ -272,31 +274,44 @@ class TrainingRun:
                 "warmup_s": round(meter.warmup_s, 3), "wall_time_s": round(time.time() - self.records.opened, 3),
                 "first_step_at": self.first_step_at, "warnings": list(self.warnings)}
 
-    def resume_folder(self) -> Path | None:
-        """The checkpoint to pass to `accelerator.load_state`: --resume PATH, --resume auto (the latest in
-        OUTPUT_DIR/checkpoints), or the latest after a torchrun/toolkit launch restart; None to start afresh.
+    def resume_folder(self, model, optimizer, checkpointed) -> Resume:
+        """What to resume from, and how: --resume PATH, --resume auto (the latest in OUTPUT_DIR/checkpoints), or
+        the latest after a torchrun/toolkit launch restart (`Resume`). `model` and `optimizer` are the prepared
+        ones; `checkpointed` the objects registered for checkpointing, in their order, this run among them.
         Its state.json is checked first (one sentence per defect; another model's weights are refused before
-        loading). A folder saved without this run's position (a plain `accelerator.save_state`, or
-        `save_checkpoint`) is loaded here: the position follows from its state.json or its schedule's count."""
+        loading). A folder saved without them (a plain `accelerator.save_state`, or `save_checkpoint`) is loaded
+        here: the position follows from its state.json or its schedule's count."""
+        if not any(o is self for o in checkpointed):
+            raise ValueError("register the run for checkpointing (accelerator.register_for_checkpointing) and "
+                             "pass what was registered: its position is saved with every save_state")
         resume = self.cfg.resume or ("auto" if self.restarts else None)
         if self.restarts:
             self.accelerator.print(f"[toolkit] restart {self.restarts}: resuming from the latest checkpoint")
         path = latest_checkpoint(self.checkpoints) if resume == "auto" else resume and Path(resume)
         if path is None:
-            return None
-        saved = read_state(path)
+            return Resume("start")
+        path, saved = Path(path), read_state(path)
         if saved and ("config" in saved or "samples_in_epoch" in saved):
             saved_model = check_run_state(saved, path)["config"]["model"]
             if saved_model != self.cfg.model:  # checked before loading: other weights would not fit
                 raise UserError(f"{path} holds a {saved_model} model, not {self.cfg.model}; pick another --output-dir.")
             self._check_changes(saved["config"], path)
             if self._finished(saved, path):
-                return None
+                return Resume("finished", path)
         self._resumed_from = path
-        if (Path(path) / f"custom_checkpoint_{len(self.accelerator._custom_objects) - 1}.pkl").is_file():
-            return Path(path)
-        self._load_outside_save_state(Path(path), saved)
-        return None
+        if (path / f"custom_checkpoint_{len(checkpointed) - 1}.pkl").is_file():
+            return Resume("load_state", path)
+        scheduler = schedule_among(checkpointed)
+        scheduled = load_weights_and_schedule(path, self.accelerator, model, optimizer, scheduler)
+        if "samples_in_epoch" in saved:
+            self.load_state_dict(saved)
+            return Resume("loaded", path)
+        self.step = scheduler.last_epoch if scheduled else 0
+        self.epoch, steps_done = divmod(self.step, self.steps_per_epoch)
+        self.batch = steps_done * self.plan.accumulation
+        self.accelerator.print(f"resumed from {path}, a save_state folder without the recipe's position: step "
+                               f"{self.step} (its schedule's count), epoch {self.epoch}")
+        return Resume("loaded", path)
 
     def _check_changes(self, saved: dict, path: Path):
         """Say every difference from the checkpoint's config in one line; refuse those that change the math
@@ -328,30 +343,6 @@ class TrainingRun:
                                f"test accuracy {summary.get('test_accuracy', float('nan')):.4f}{rate}; nothing "
                                "trained or rewritten. To train further, raise --epochs and add --allow-config-change.")
         return True
-
-    def _load_outside_save_state(self, path: Path, saved: dict):
-        accelerator = self.accelerator
-        model, optimizer = accelerator._models[0], accelerator._optimizers[0]
-        scheduler = next(iter(accelerator._custom_objects), None)
-        schedule_file = next((f for f in ("scheduler.bin", "custom_checkpoint_0.pkl") if (path / f).is_file()), None)
-        try:
-            load_checkpoint(path, model=accelerator.unwrap_model(model), optimizer=optimizer,
-                            scaler=getattr(accelerator, "scaler", None))
-            if scheduler is not None and schedule_file:
-                from toolkit.engines.state_files import load_safe
-
-                scheduler.load_state_dict(load_safe(path / schedule_file))
-        except ValueError as error:  # torch's optimizer/scheduler refusal: another optimizer's state
-            raise UserError(f"{path} holds an optimizer or scheduler state this recipe's cannot take ({error}); "
-                            f"resume from a checkpoint of this recipe or start in a fresh --output-dir.") from None
-        if "samples_in_epoch" in saved:
-            self.load_state_dict(saved)
-            return
-        self.step = scheduler.last_epoch if scheduler is not None and schedule_file else 0
-        self.epoch, steps_done = divmod(self.step, self.steps_per_epoch)
-        self.batch = steps_done * self.plan.accumulation
-        accelerator.print(f"resumed from {path}, a save_state folder without the recipe's position: step {self.step} "
-                          f"(its schedule's count), epoch {self.epoch}")
 
     # -- the end -------------------------------------------------------------------------------------------
     def finish(self, metrics: dict, **extra) -> dict:
