@@ -45,6 +45,16 @@ def resolve_engine(engine: str | None, env: LaunchEnv) -> str:
     return name
 
 
+def engine_name(accelerator) -> str:
+    """Which engine `accelerator` is: a toolkit engine's `name`, "accelerate" for Accelerate's own Accelerator,
+    which the training parts (toolkit/train) work over as well.
+
+    >>> engine_name(build_accelerator("single")), engine_name(object())
+    ('single', 'accelerate')
+    """
+    return getattr(accelerator, "name", "accelerate")
+
+
 def build_accelerator(engine: str = "auto", **kwargs):
     """Build the engine for this process. kwargs are Accelerator's own (mixed_precision,
     gradient_accumulation_steps, ...) plus `timeout` (seconds) for collectives.

@@ -52,5 +52,7 @@ def agreed_restart_count(accelerator) -> int:
     rank was started with (a node whose own workers did not fail re-joins with its count unchanged)."""
     import torch
 
-    counts = accelerator.gather(torch.tensor([accelerator.env.restart_count], device=accelerator.device))
+    from toolkit.launch.env import read_launch_env
+
+    counts = accelerator.gather(torch.tensor([read_launch_env().restart_count], device=accelerator.device))
     return int(counts.max())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from toolkit.engines import engine_name
 from toolkit.models.blocks import checkpoint_blocks, compile_blocks
 
 
@@ -51,5 +52,5 @@ def adapt_model(model, cfg, accelerator):
                           "backward" if blocks else "[toolkit] --activation-checkpointing: the model has no blocks "
                           "with layers inside (only lone layers, which keep their inputs anyway); nothing is recomputed")
     if cfg.compile:
-        model = compile_blocks(model, whole=accelerator.name == "dp")
+        model = compile_blocks(model, whole=engine_name(accelerator) == "dp")
     return model, average_bn

@@ -26,7 +26,7 @@ from toolkit.errors import UserError
 from toolkit.engines.full_state import load_full_weights, write_full_weights
 from toolkit.engines.state_files import (SCALER_NAME, gather_rng_states, load_safe, read_state_json, rng_state,
                                          state_file, state_json_text, write_training_state)
-from toolkit.engines.state_folder import (CHECKPOINT_FORMATS, best_checkpoint, check_keep, checkpoint_folder,
+from toolkit.engines.state_folder import (CHECKPOINT_FORMATS, MANIFEST_NAME, best_checkpoint, check_keep, checkpoint_folder,
                                           checkpoint_format, finish_checkpoint, latest_checkpoint, list_checkpoints,
                                           mark_best, publish, read_state, resolve_checkpoint, seal, start_folder)
 from toolkit.engines.state_folder import verify_folder as verify_checkpoint
@@ -35,6 +35,15 @@ __all__ = ["CHECKPOINT_FORMATS", "best_checkpoint", "checkpoint_folder", "finish
            "latest_checkpoint", "list_checkpoints", "load_checkpoint", "mark_best", "read_state", "save_checkpoint",
            "check_run_state",
            "verify_checkpoint"]
+
+
+def seal_if_unsealed(folder, step: int, world_size: int):
+    """Seal a step folder that Accelerate's own `save_state` wrote (it writes no manifest): the size and sha256
+    of each of its files, so that --resume and `latest` verify it as they verify the toolkit's. Call it on the
+    main process once every rank has written its files; a folder an engine sealed is left as it is."""
+    folder = Path(folder)
+    if not (folder / MANIFEST_NAME).is_file():
+        seal(folder, {"checkpoint_format": "full", "step": step, "world_size": world_size})
 
 
 def save_checkpoint(root, step, *, model, optimizer=None, scheduler=None, scaler=None,

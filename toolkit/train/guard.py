@@ -20,6 +20,7 @@ import signal
 import torch
 
 from toolkit.errors import RunFailure, first_failure
+from toolkit.launch.env import read_launch_env
 from toolkit.launch.quiet import catch_signals, note_stop
 
 
@@ -131,7 +132,7 @@ def is_peer_failure(error: BaseException) -> bool:
 def peer_failure_message(accelerator, step: int, timeout: float) -> str:
     """A peer gone without a word (killed, frozen, crashed in C++): the transport's own error text only names
     a socket, so it is left out."""
-    env = accelerator.env
+    env = read_launch_env()
     then = ("the launcher restarts the group from the latest checkpoint" if env.restart_count < env.max_restarts
             else "checkpoints on disk are intact, relaunch with --resume auto")
     return (f"rank {accelerator.process_index} lost contact with the other ranks at step {step}: a peer died or did "

@@ -25,11 +25,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from toolkit.engines import engine_name
 from toolkit.errors import UserError, install_excepthook
+from toolkit.launch.env import read_launch_env
 from toolkit.train.attempts import agreed_restart_count, overall_rate, world_change_line, world_changes
 from toolkit.train.best import BestCheckpoint
 from toolkit.train.checkpoint import (check_run_state, checkpoint_folder, finish_checkpoint, latest_checkpoint,
-                                      read_state)
+                                      read_state, seal_if_unsealed)
 from toolkit.train.config_changes import config_changes
 from toolkit.train.cost import (StepCost, mfu, peak_flops, peak_memory_bytes, peak_range,
                                 seconds_since_process_start)
@@ -47,7 +49,7 @@ class TrainingRun:
 
     def __init__(self, accelerator, cfg, plan, batches_per_epoch: int, unit: str = "images",
                  flops_per_sample: int | None = None):
-        self.accelerator, self.cfg, self.plan, self.env = accelerator, cfg, plan, accelerator.env
+        self.accelerator, self.cfg, self.plan, self.env = accelerator, cfg, plan, read_launch_env()
         self.unit = unit  # what a sample is, in what the run prints (the records' columns say images)
         self.restarts = agreed_restart_count(accelerator)
         check_fresh_output_dir(cfg.output_dir, cfg.resume, self.restarts, parity=self.env.parity_dir is not None)
@@ -235,7 +237,9 @@ class TrainingRun:
     def checkpoint_saved(self, folder):
         """After `accelerator.save_state(run.checkpoint_folder())` on every rank: `latest` names it and the oldest
         beyond --keep are removed (main process); the save's time is not counted as training time."""
+        self.accelerator.wait_for_everyone()  # every rank's files are written (Accelerate's own save_state seals none)
         if self.accelerator.is_main_process:
+            seal_if_unsealed(folder, self.step, self.accelerator.num_processes)
             finish_checkpoint(self.checkpoints, Path(folder), self.cfg.keep)
         saving = time.perf_counter() - self._saving_at
         self.cost.saved(saving)
@@ -244,7 +248,7 @@ class TrainingRun:
 
     def state_dict(self) -> dict:
         return {"step": self.step, "epoch": self.epoch, "samples_in_epoch": self.batch * self.plan.micro_batch *
-                self.plan.processes, "world_size": self.accelerator.num_processes, "engine": self.accelerator.name,
+                self.plan.processes, "world_size": self.accelerator.num_processes, "engine": engine_name(self.accelerator),
                 "config": self.config, "attempts": self.attempts + [self.this_attempt()], "best": self.best}
 
     state_json = state_dict  # the toolkit's save_state merges it into state.json, where people and tools read it
@@ -267,7 +271,7 @@ class TrainingRun:
     def this_attempt(self) -> dict:
         """This attempt's figures so far: the steps it trained, its wall time and throughput."""
         meter = self.throughput
-        return {"from_step": self.first_step, "to_step": self.step, "engine": self.accelerator.name,
+        return {"from_step": self.first_step, "to_step": self.step, "engine": engine_name(self.accelerator),
                 "world_size": self.accelerator.num_processes, "nodes": self.env.num_nodes,
                 "accumulation": self.plan.accumulation, "micro_batch": self.plan.micro_batch,
                 "images_per_s": meter.images_per_s,
@@ -361,7 +365,7 @@ class TrainingRun:
             flops_per_sample=self.flops_per_sample, mfu=self.mfu(),
             time_to_first_step_s=self.time_to_first_step_s and round(self.time_to_first_step_s, 3),
             images_per_s=overall_rate(attempts, plan.global_batch), warmup_s=round(sum(a["warmup_s"] for a in attempts), 3),
-            warmup_steps=min(meter.steps, meter.warmup_steps), engine=accelerator.name,
+            warmup_steps=min(meter.steps, meter.warmup_steps), engine=engine_name(accelerator),
             wall_time_s=round(sum(a["wall_time_s"] for a in attempts), 3), attempts=attempts,
             world_changes=world_changes(attempts),
             world_size=accelerator.num_processes, global_batch_size=plan.global_batch, micro_batch_size=plan.micro_batch,
