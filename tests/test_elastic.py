@@ -48,6 +48,7 @@ LAST_CALL_S = 2  # how long a shrunk rendezvous waits for the lost machine befor
 # A lost machine leaves the rendezvous after 3 missed heartbeats: 3 s at one a second (15 s at torchrun's 5 s,
 # which each loss waited out, idle, before its round could end).
 KEEP_ALIVE_S = 1
+CHAOS_STEP_MS = 100  # the chaos run's steps, held: 156 steps last at least 16 s (see the test)
 
 
 hosts = pytest.fixture(scope="module", name="hosts")(hosts_or_skip)
@@ -81,8 +82,8 @@ def profile(tmp_path) -> Path:
 class ElasticRun:
     """`toolkit launch --nnodes 1:2` on both hosts; kills and rejoins, and what the run wrote."""
 
-    def __init__(self, hosts, tmp_path, engine, extra=()):
-        self.hosts, self.tmp, self.out = hosts, tmp_path, tmp_path / "run"
+    def __init__(self, hosts, tmp_path, engine, extra=(), **env):
+        self.hosts, self.tmp, self.out, self.env = hosts, tmp_path, tmp_path / "run", env
         self.command = [*TOOLKIT, "launch", "--config_file", profile(tmp_path), "--engine", engine, "--nnodes", "1:2",
                         "--rdzv_last_call", LAST_CALL_S, "--rdzv_keep_alive", KEEP_ALIVE_S,
                         "--rdzv_timeout", 60, CIFAR, *FLAGS, *extra,
@@ -97,7 +98,7 @@ class ElasticRun:
         self.logs.append(log)
         self.hosts_of.append(host)
         self.procs.append(subprocess.Popen(self.hosts.prefix(host) + [str(c) for c in self.command], cwd=ROOT,
-                                           env=clean_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                           env=clean_env(**self.env), stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                            start_new_session=True))
 
     def machine_0(self) -> str:
@@ -265,7 +266,10 @@ def test_chaos_kills_and_a_rejoin_end_at_the_uninterrupted_weights(hosts, refere
     rng = random.Random(seed)
     kinds = ["worker", "node", "worker"]
     rng.shuffle(kinds)
-    elastic = ElasticRun(hosts, tmp_path, "ddp")
+    # Each step held CHAOS_STEP_MS: at full speed the 156 steps take about 4 s on 2 ranks, less than machine 1
+    # needs to start again and rejoin, so the shrunk world could reach the end (or leave no step for the kill
+    # after the grow: step 145 of 156 was seen) before the schedule is done. Held steps change no math.
+    elastic = ElasticRun(hosts, tmp_path, "ddp", TOOLKIT_DEBUG_STEP_MS=CHAOS_STEP_MS)
     deadline = time.monotonic() + 420
     rounds, node_down, events = 0, False, []
     for kind in kinds:
@@ -296,6 +300,7 @@ def test_chaos_kills_and_a_rejoin_end_at_the_uninterrupted_weights(hosts, refere
     assert (summary["steps"], summary["global_batch_size"], summary["world_size"]) == (STEPS, 128, 4)
     changes = [(c["old_world"], c["new_world"], c["accumulation"]) for c in summary["world_changes"]]
     assert changes == [(4, 2, 2), (2, 4, 1)], summary["world_changes"]
+    assert sum(a["wall_time_s"] for a in summary["attempts"]) >= STEPS * CHAOS_STEP_MS / 1000  # the steps were held
     shrink, grow = summary["world_changes"]
     # Said at each resume that changes the world: a kill in the grown world before its first checkpoint resumes
     # from the 2-process one again, and says the grow again.

@@ -56,6 +56,9 @@ class LaunchEnv:
     use_cpu: bool = False  # ACCELERATE_USE_CPU: the profile asked for the CPU, GPUs or not
     parity_dir: str | None = None  # TOOLKIT_PARITY_DIR: `toolkit parity` started this run to record K steps
     debug_nan_step: int | None = None  # TOOLKIT_DEBUG_NAN_STEP: tests put a NaN in this step's loss on rank 0
+    # TOOLKIT_DEBUG_STEP_MS: tests hold each optimizer step this long (no CPU, no change to the math), so that a
+    # tiny run lasts longer than what they do to it meanwhile (a machine restarting and rejoining)
+    debug_step_ms: int | None = None
     omp_num_threads: int | None = None  # OMP_NUM_THREADS when it is a thread count (torchrun sets 1 for workers)
     cpu_cores: int = 1  # the cores this process may run on: its CPU affinity (taskset, srun --cpu-bind, cpuset)
 
@@ -266,6 +269,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
         use_cpu=use_cpu,
         parity_dir=environ.get("TOOLKIT_PARITY_DIR") or None,
         debug_nan_step=_int(environ, "TOOLKIT_DEBUG_NAN_STEP"),
+        debug_step_ms=_int(environ, "TOOLKIT_DEBUG_STEP_MS"),
         omp_num_threads=_thread_count(environ.get("OMP_NUM_THREADS")),
         cpu_cores=_cpu_cores(),
     )

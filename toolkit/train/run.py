@@ -145,6 +145,8 @@ class TrainingRun:
         if self.time_to_first_step_s is None:  # this process's start to its first optimizer step done
             self.time_to_first_step_s, self.first_step_at = seconds_since_process_start(), time.time()
         self.profiler.tick(self.step)  # --profile-steps: starts before step A, writes the traces after step B
+        if self.env.debug_step_ms:  # tests' slow steps: outside both steps' measured time
+            time.sleep(self.env.debug_step_ms / 1000)
         self._tick = time.perf_counter()
         if self.cost.warning and self.cost.warning not in self.warnings:  # the loader holds training up: once
             self.warnings.append(self.cost.warning)
