@@ -48,7 +48,10 @@ LAST_CALL_S = 2  # how long a shrunk rendezvous waits for the lost machine befor
 # A lost machine leaves the rendezvous after 3 missed heartbeats: 3 s at one a second (15 s at torchrun's 5 s,
 # which each loss waited out, idle, before its round could end).
 KEEP_ALIVE_S = 1
-CHAOS_STEP_MS = 100  # the chaos run's steps, held: 156 steps last at least 16 s (see the test)
+# The chaos run holds each step this long (no CPU, no change to the math): at full speed its 156 steps take about
+# 4 s on 2 ranks, less than machine 1 needs to start again and rejoin, so the shrunk world could reach the end
+# (or leave no step for the kill after the grow: step 145 of 156 was seen) before the schedule is done.
+CHAOS_STEP_MS = 100
 
 
 hosts = pytest.fixture(scope="module", name="hosts")(hosts_or_skip)
@@ -266,9 +269,6 @@ def test_chaos_kills_and_a_rejoin_end_at_the_uninterrupted_weights(hosts, refere
     rng = random.Random(seed)
     kinds = ["worker", "node", "worker"]
     rng.shuffle(kinds)
-    # Each step held CHAOS_STEP_MS: at full speed the 156 steps take about 4 s on 2 ranks, less than machine 1
-    # needs to start again and rejoin, so the shrunk world could reach the end (or leave no step for the kill
-    # after the grow: step 145 of 156 was seen) before the schedule is done. Held steps change no math.
     elastic = ElasticRun(hosts, tmp_path, "ddp", TOOLKIT_DEBUG_STEP_MS=CHAOS_STEP_MS)
     deadline = time.monotonic() + 420
     rounds, node_down, events = 0, False, []

@@ -47,12 +47,10 @@ def overall_rate(attempts: list[dict], global_batch: int) -> float | None:
     return round(sum(timed) / seconds, 1) if seconds > 0 else None
 
 
-def agreed_restart_count(accelerator) -> int:
+def agreed_restart_count(accelerator, mine: int) -> int:
     """How often torchrun (or toolkit launch) restarted the job, the same on every rank: the highest count any
-    rank was started with (a node whose own workers did not fail re-joins with its count unchanged)."""
+    rank was started with (`mine`: this rank's, LaunchEnv.restart_count) (a node whose own workers did not fail re-joins with its count unchanged)."""
     import torch
 
-    from toolkit.launch.env import read_launch_env
-
-    counts = accelerator.gather(torch.tensor([read_launch_env().restart_count], device=accelerator.device))
+    counts = accelerator.gather(torch.tensor([mine], device=accelerator.device))
     return int(counts.max())

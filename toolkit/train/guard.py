@@ -20,7 +20,6 @@ import signal
 import torch
 
 from toolkit.errors import RunFailure, first_failure
-from toolkit.launch.env import read_launch_env
 from toolkit.launch.quiet import catch_signals, note_stop
 
 
@@ -111,7 +110,7 @@ def run_guard(run):
             if is_peer_failure(error):
                 # The failing rank publishes its sentence before it exits, and its exit is what broke ours.
                 raise first_failure(wait=1.0) or RunFailure(
-                    peer_failure_message(run.accelerator, run.step, run.cfg.timeout)) from None
+                    peer_failure_message(run, run.cfg.timeout)) from None
             raise
         finally:
             run.close_progress()
@@ -129,10 +128,10 @@ def is_peer_failure(error: BaseException) -> bool:
                             "Broken pipe", "NCCL communicator was aborted", "ProcessGroupGloo"))
 
 
-def peer_failure_message(accelerator, step: int, timeout: float) -> str:
+def peer_failure_message(run, timeout: float) -> str:
     """A peer gone without a word (killed, frozen, crashed in C++): the transport's own error text only names
     a socket, so it is left out."""
-    env = read_launch_env()
+    env, accelerator, step = run.env, run.accelerator, run.step
     then = ("the launcher restarts the group from the latest checkpoint" if env.restart_count < env.max_restarts
             else "checkpoints on disk are intact, relaunch with --resume auto")
     return (f"rank {accelerator.process_index} lost contact with the other ranks at step {step}: a peer died or did "

@@ -51,7 +51,7 @@ class TrainingRun:
                  flops_per_sample: int | None = None):
         self.accelerator, self.cfg, self.plan, self.env = accelerator, cfg, plan, read_launch_env()
         self.unit = unit  # what a sample is, in what the run prints (the records' columns say images)
-        self.restarts = agreed_restart_count(accelerator)
+        self.restarts = agreed_restart_count(accelerator, self.env.restart_count)
         check_fresh_output_dir(cfg.output_dir, cfg.resume, self.restarts, parity=self.env.parity_dir is not None)
         accelerator.wait_for_everyone()  # every rank has looked before the main process writes there
         self.micro_per_epoch = batches_per_epoch // plan.accumulation * plan.accumulation  # whole steps only
