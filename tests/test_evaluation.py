@@ -119,9 +119,40 @@ def test_two_gloo_ranks_count_what_one_process_counts(tmp_path):
     assert (two["accuracy"], two["count"]) == (one["accuracy"], one["count"])
 
 
+def test_the_picture_is_drawn_for_the_final_evaluation_a_minute_after_the_last_and_at_an_early_end(monkeypatch):
+    """ConfusionPicture draws the final evaluation's matrix, or any once REDRAW_AFTER_S passed since the last
+    drawing (or the start), and keeps the others; flush draws the one kept, once."""
+    from toolkit.train import confusion
+
+    drawn, now = [], [100.0]
+    monkeypatch.setattr(confusion, "write_confusion", lambda path, matrix, names: drawn.append(matrix[0][0]))
+    picture = confusion.ConfusionPicture("unused.png", clock=lambda: now[0])
+    for seconds, count in ((10, 1), (59, 2), (60, 3), (70, 4), (119, 5)):  # seconds since the start
+        now[0] = 100.0 + seconds
+        picture.update([[count]], ["a"])
+    assert drawn == [3]  # 60 s after the start; 4 and 5 came within the minute after it
+    picture.update([[6]], ["a"], final=True)
+    assert drawn == [3, 6]
+    picture.update([[7]], ["a"])
+    picture.flush(), picture.flush()
+    assert drawn == [3, 6, 7]
+
+
+def test_a_run_that_ends_before_its_final_evaluation_draws_its_last_one(tmp_path):
+    """A run stopped early (a divergence stop) has its last evaluation's matrix drawn by finish()."""
+    accelerator = toolkit.build_accelerator("single")
+    run = TrainingRun(accelerator, config(tmp_path, epochs=3), plan_batches(4, 1, 4), batches_per_epoch=1)
+    run.step, metrics = 1, evaluate_tiny(accelerator)
+    run.evaluated(metrics)
+    assert not (tmp_path / "run" / "confusion.png").exists()  # step 1 of 3, within the minute
+    run.finish(metrics)
+    assert (tmp_path / "run" / "confusion.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_an_evaluation_writes_confusion_png_and_json_and_the_top5_column(tmp_path):
-    """confusion.png is a PNG matplotlib drew, confusion.json holds the counts with images.py's class names, each
-    evaluation replaces them; epochs.csv, the trackers' dict, the line and summary.json carry top-5."""
+    """confusion.png is a PNG matplotlib drew, of the final evaluation (an earlier one within the minute is not
+    drawn), confusion.json holds the counts with images.py's class names, each evaluation replaces it;
+    epochs.csv, the trackers' dict, the line and summary.json carry top-5."""
     accelerator = toolkit.build_accelerator("single")
     run = TrainingRun(accelerator, config(tmp_path, epochs=2), plan_batches(4, 1, 4), batches_per_epoch=1)
     names = ["ant", "bee", "cat", "dog", "eel"]
@@ -131,6 +162,8 @@ def test_an_evaluation_writes_confusion_png_and_json_and_the_top5_column(tmp_pat
         run.step = step
         metrics = evaluate_tiny(accelerator)
         logged = run.evaluated(metrics)
+        assert (folder / "confusion.png").exists() == (step == 2)  # step 2 of 2: the final evaluation
+        assert json.loads((folder / "confusion.json").read_text())["step"] == step
     png = (folder / "confusion.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and b"Matplotlib" in png  # its tEXt Software chunk
     width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk

@@ -33,6 +33,7 @@ from toolkit.train.best import BestCheckpoint
 from toolkit.train.checkpoint import (check_run_state, checkpoint_folder, finish_checkpoint, latest_checkpoint,
                                       read_state, seal_if_unsealed)
 from toolkit.train.config_changes import config_changes
+from toolkit.train.confusion import ConfusionPicture
 from toolkit.train.cost import (StepCost, mfu, peak_flops, peak_memory_bytes, peak_range,
                                 seconds_since_process_start)
 from toolkit.train.data_position import epoch_batches, resume_position
@@ -74,6 +75,7 @@ class TrainingRun:
         self.profiler = StepProfiler(getattr(cfg, "profile_steps", None), Path(cfg.output_dir) / "profile",
                                      accelerator.process_index, accelerator.is_main_process, self.say)
         self.records = RunRecorder(cfg.output_dir, active=accelerator.is_main_process)
+        self.picture = ConfusionPicture(self.records.dir / "confusion.png")  # drawn by the main process alone
         # Earlier attempts (a resume's history, as of the checkpoint it resumed from), and where this one began.
         self.attempts, self.first_step = [], 0
         # A --resume of a run that had already ended: its summary.json, which stands (nothing is trained or
@@ -204,12 +206,10 @@ class TrainingRun:
         return int(every.min()), int(every.max())
 
     def _write_confusion(self, metrics: dict):
-        """OUTPUT_DIR/confusion.png and confusion.json, this evaluation's (each evaluation replaces them)."""
-        from toolkit.train.confusion import write_confusion
-
+        """OUTPUT_DIR/confusion.json, this evaluation's (each evaluation replaces it), and confusion.png when due."""
         matrix, names = metrics["confusion_matrix"], self.config.get("classes")
         names = [str(n) for n in names] if names and len(names) == len(matrix) else [str(i) for i in range(len(matrix))]
-        write_confusion(self.records.dir / "confusion.png", matrix, names)
+        self.picture.update(matrix, names, final=self.step >= self.total_steps)
         self.records.write_json("confusion.json", {"classes": names, "matrix": matrix, "step": self.step,
                                                    "per_class_accuracy": metrics["per_class_accuracy"]})
 
@@ -356,6 +356,8 @@ class TrainingRun:
         print the result; returns it."""
         accelerator, plan, meter = self.accelerator, self.plan, self.throughput
         self.profiler.close()
+        if accelerator.is_main_process:
+            self.picture.flush()  # the last evaluation's matrix, in a run stopped before its final one
         attempts = self.attempts + [self.this_attempt()]
         by_class = {f"test_{key}": metrics[key] for key in ("top5_accuracy", "per_class_accuracy", "confusion_matrix")
                     if key in metrics}
