@@ -3,39 +3,64 @@ resume, averaging, exact evaluation, one writer) are guarded by tests that can f
 
 Each case runs the cheapest tests that catch its bug in a fresh pytest with the bug applied to every process
 (tests/mutant/sitecustomize.py) and expects them to FAIL, and the bug to have been applied in some process.
+The fresh pytest is forked from tests/scripts/mutation_zygote.py, which has imported torch and the other
+libraries once for all of them (about 2 s each), and nothing of the toolkit.
 """
 
 import importlib
 import importlib.util
+import json
 import os
+import select
+import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import PY, ROOT, run
+from conftest import PY, ROOT, SCRIPTS, clean_env, kill_groups
 from mutations import MUTATIONS, Mutation, SourceEdit, Stale
 
 MUTANT = ROOT / "tests" / "mutant"
 
 
+@pytest.fixture(scope="module")
+def zygote():
+    proc = subprocess.Popen([PY, SCRIPTS / "mutation_zygote.py"], cwd=ROOT, env=clean_env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    yield proc
+    kill_groups([proc])
+
+
+def pytest_with_the_bug(zygote, name, tmp_path, tests, timeout=300) -> tuple[int, str]:
+    """(exit code, output) of `pytest -q -x tests` with mutation `name` applied to every process it starts."""
+    output, pythonpath = tmp_path / "output.txt", os.pathsep.join([str(MUTANT), os.environ.get("PYTHONPATH", "")])
+    request = {"args": ["-q", "-x", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "pytest"), *tests],
+               "env": {"TOOLKIT_MUTATION": name, "TOOLKIT_MUTATION_LOG": str(tmp_path / "applied.txt"),
+                       "PYTHONPATH": pythonpath}, "output": str(output)}
+    zygote.stdin.write(json.dumps(request) + "\n")
+    zygote.stdin.flush()
+    if not select.select([zygote.stdout], [], [], timeout)[0]:
+        pytest.fail(f"{name}: pytest ran over {timeout} s")
+    line = zygote.stdout.readline()
+    assert line.strip().lstrip("-").isdigit(), f"the zygote answered {line!r}"
+    return int(line), output.read_text()
+
+
 @pytest.mark.parametrize("name", sorted(MUTATIONS))
-def test_injected_bug_turns_a_test_red(name, tmp_path):
+def test_injected_bug_turns_a_test_red(name, tmp_path, zygote):
     mutation, log = MUTATIONS[name], tmp_path / "applied.txt"
     try:  # the code it changes is still there, as it names it
         mutation.check(_source(mutation.module) if isinstance(mutation.patch, SourceEdit)
                        else importlib.import_module(mutation.module))
     except Stale as stale:
         pytest.fail(f"{name} no longer applies: {stale}", pytrace=False)
-    pythonpath = os.pathsep.join([str(MUTANT), os.environ.get("PYTHONPATH", "")])
-    proc = run([PY, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--basetemp", tmp_path / "pytest",
-                *mutation.caught_by], check=False, timeout=300, TOOLKIT_MUTATION=name, TOOLKIT_MUTATION_LOG=log,
-               PYTHONPATH=pythonpath)
-    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
+    code, output = pytest_with_the_bug(zygote, name, tmp_path, mutation.caught_by)
+    tail = output[-5000:]
     assert log.exists() and f"{name} applied to {mutation.module}" in log.read_text(), tail
     # pytest's exit code 1 is "tests failed" (a failed assertion, or a launch the bug broke in a fixture the
     # test needs: an error); 2-5 (interrupted, internal error, usage, nothing collected) are not
-    last = proc.stdout.splitlines()[-1]
-    assert proc.returncode == 1 and (" failed" in last or " error" in last), f"{mutation.breaks}: stayed green\n{tail}"
-    print(f"{name}: {proc.stdout.splitlines()[-1]}")
+    last = output.splitlines()[-1]
+    assert code == 1 and (" failed" in last or " error" in last), f"{mutation.breaks}: stayed green\n{tail}"
+    print(f"{name}: {last}")
 
 
 def _source(module: str) -> str:
