@@ -128,7 +128,7 @@ RECIPE_CASES = {  # name -> (flags given tmp_path, words the sentence holds)
                                           lambda t: f"{t / 'ckpt' / 'step-00000001'} holds a resnet9 model, not tiny; "
                                                     "pick another --output-dir."),
     "fp16 on CPU": (lambda t: ["--mixed-precision", "fp16"], "fp16 mixed precision needs a CUDA device"),
-    "batch larger than the training set": (lambda t: ["--global-batch-size", "100000"], "fewer than one global batch"),
+    "batch larger than the training set": (lambda t: ["--global-batch-size", "100000"], "of one micro-step over all processes"),
     "unknown model": (lambda t: ["--model", "vit"], "invalid choice: 'vit'"),
     "unknown engine": (lambda t: ["--engine", "horovod"], "invalid choice: 'horovod'"),
     "unknown loader": (lambda t: ["--loader", "ffcv"], "invalid choice: 'ffcv'"),

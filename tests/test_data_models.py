@@ -270,7 +270,7 @@ def test_eval_shards_cover_every_sample_once(world_size):
 
 def test_too_few_samples_for_one_global_batch_is_a_user_error(numbered):
     x, y = numbered
-    with pytest.raises(UserError, match="fewer than one global batch of 4 x 32"):
+    with pytest.raises(UserError, match="fewer than the 4 x 32 of one micro-step over all processes"):
         MemoryLoader(x, y, 32, world_size=4)
 
 

@@ -220,17 +220,17 @@ class MemoryLoader:
     """Batches a whole uint8 dataset held as one tensor on `device`; yields (normalised x, y).
 
     Train (shuffled, augmented, drop_last by default): epoch e uses the permutation seeded by
-    (seed, e), the same on every rank. With W = world_size and B = batch_size, global step k is
+    (seed, e), the same on every rank. With W = world_size and B = batch_size, micro-step k is
     perm[k*W*B : (k+1)*W*B] and rank r takes every W-th sample of it, [r::W]. Crop/flip parameters
     are drawn once per epoch for every position of the permutation, from a generator seeded by
     (seed, e), so a sample's augmentation depends on its position in the epoch only. So the union of
     W ranks' step-k batches at batch B is exactly the step-k batch of one rank at batch W*B,
     augmentation included, and so are G consecutive micro-batches of B*W/G (gradient
-    accumulation); the ranks' shards are disjoint. drop_last drops the last partial global step;
+    accumulation); the ranks' shards are disjoint. drop_last drops the last partial micro-step;
     without it at most W-1 samples per epoch are dropped, so all ranks see the same number of samples.
 
     Resume: call `set_epoch(e, start_batch=k)` with k = global samples already consumed this
-    epoch // (W*B); this maps across world sizes because k indexes global steps.
+    epoch // (W*B); this maps across world sizes because k indexes micro-steps of all ranks.
 
     Eval (train=False): no shuffle, augmentation or drop; rank r takes samples r::W, so shards
     differ in size by at most one (`num_samples` is this rank's count).
@@ -242,7 +242,7 @@ class MemoryLoader:
     >>> torch.equal(whole[0::2], halves[0]) and torch.equal(whole[1::2], halves[1])  # augmentation included
     True
     >>> loader = MemoryLoader(data.train_x, data.train_y, 64, rank=1, world_size=2, seed=0)
-    >>> loader.set_epoch(3, start_batch=1)  # resume epoch 3 after 1 of its 2 global steps
+    >>> loader.set_epoch(3, start_batch=1)  # resume epoch 3 after 1 of its 2 micro-steps
     >>> [len(y) for _, y in loader], [len(y) for _, y in loader]  # the next pass starts at step 0
     ([64], [64, 64])
     >>> MemoryLoader(data.test_x, data.test_y, 64, rank=1, world_size=2, train=False).num_samples  # 1, 3, ..., 97
@@ -264,11 +264,11 @@ class MemoryLoader:
         self.train, self.device, self.augment = train, torch.device(device), augment
         self.drop_last = train if drop_last is None else drop_last
         self.epoch, self._start_batch = 0, 0
-        n, global_batch = len(images), world_size * batch_size
+        n, per_micro_step = len(images), world_size * batch_size  # images of all ranks' micro-step
         if train:
             usable = n - n % world_size  # drop < W samples so every rank gets the same count
-            self._batches = usable // global_batch if self.drop_last else math.ceil(usable / global_batch)
-            self.samples_per_epoch = min(self._batches * global_batch, usable)
+            self._batches = usable // per_micro_step if self.drop_last else math.ceil(usable / per_micro_step)
+            self.samples_per_epoch = min(self._batches * per_micro_step, usable)
             self.num_samples = self.samples_per_epoch // world_size
         else:
             self._shard = torch.arange(rank, n, world_size, device=device)  # on the device: no copy per batch
@@ -277,12 +277,12 @@ class MemoryLoader:
             self._batches = math.ceil(self.num_samples / batch_size)
             self.samples_per_epoch = sum(keep(len(range(r, n, world_size))) for r in range(world_size))
         if train and self._batches == 0:
-            raise UserError(f"The training set has {n} samples, fewer than one global batch of "
-                            f"{world_size} x {batch_size}; lower --global-batch-size.")
+            raise UserError(f"The training set has {n} samples, fewer than the {world_size} x {batch_size} of one "
+                            f"micro-step over all processes; lower --global-batch-size or --micro-batch-size.")
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """Select the epoch (it seeds shuffling and augmentation); the next iteration starts at
-        global step `start_batch` of it, later ones at step 0."""
+        micro-step `start_batch` of it, later ones at micro-step 0."""
         if not 0 <= start_batch <= self._batches:
             raise ValueError(f"start_batch {start_batch} is outside 0..{self._batches}")
         self.epoch, self._start_batch = epoch, start_batch
@@ -301,11 +301,11 @@ class MemoryLoader:
         perm = torch.randperm(len(self.images), generator=generator)
         augment = _draw_augment(len(perm), generator, self.device, self.augment)  # one per position in the epoch
         perm = perm.to(self.device)  # copied once per epoch; every step below indexes on the device
-        global_batch = self.world_size * self.batch_size
-        for step in range(start, self._batches):
-            # This rank's positions in the epoch order: every W-th of global step `step`'s.
-            end = min((step + 1) * global_batch, self.samples_per_epoch)
-            positions = torch.arange(step * global_batch + self.rank, end, self.world_size, device=self.device)
+        per_micro_step = self.world_size * self.batch_size
+        for micro_step in range(start, self._batches):
+            # This rank's positions in the epoch order: every W-th of those of all ranks' micro-step.
+            end = min((micro_step + 1) * per_micro_step, self.samples_per_epoch)
+            positions = torch.arange(micro_step * per_micro_step + self.rank, end, self.world_size, device=self.device)
             idx = perm[positions]
             dy, dx, flip = (a[positions] for a in augment)
             yield normalize(_crop_flip(self.images[idx], dy, dx, flip)), self.labels[idx]

@@ -79,7 +79,7 @@ class WindowLoader:
     Training: the epoch's windows start at offset + i * block_size, with one offset in [0, block_size) drawn
     per epoch from (seed, epoch), so epochs cut the text at different places; their count is the same every
     epoch (that of the largest offset). Window i is sample i of a MemoryLoader, which shuffles, shards and
-    drops exactly as it does for images: global step k is the same windows for any world size W and batch B
+    drops exactly as it does for images: micro-step k is the same windows for any world size W and batch B
     with the same W x B, and G consecutive micro-batches of B/G cover the windows of one batch of B.
     Evaluation (train=False): offset 0, every whole window of the text once, rank r taking windows r::W.
     """
@@ -106,8 +106,8 @@ class WindowLoader:
         self.samples_per_epoch = self.order.samples_per_epoch  # all ranks' windows per epoch
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        """Select the epoch (it seeds the shuffle and the offset); the next iteration starts at global step
-        `start_batch` of it, later ones at step 0."""
+        """Select the epoch (it seeds the shuffle and the offset); the next iteration starts at micro-step
+        `start_batch` of it, later ones at micro-step 0."""
         self.order.set_epoch(epoch, start_batch)
 
     def __len__(self) -> int:
