@@ -226,8 +226,8 @@ class StreamingLoader:
             persistent_workers=workers > 0, pin_memory=self.device.type == "cuda",
             worker_init_fn=leave_stops_to_the_trainer))
         if train and len(self.loader) == 0:
-            raise UserError(f"{images.name} has {len(images)} images, fewer than one global batch of {world_size} x "
-                            f"{batch_size}; lower --global-batch-size.")
+            raise UserError(f"{images.name} has {len(images)} images, fewer than the {world_size} x {batch_size} "
+                            f"of one micro-step over all processes; lower --global-batch-size or --micro-batch-size.")
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         self.sampler.set_epoch(epoch, start_batch * self.batch_size)
