@@ -6,6 +6,7 @@ kept beside the last --keep, across a resume."""
 import csv
 import json
 import struct
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -149,10 +150,25 @@ def test_a_run_that_ends_before_its_final_evaluation_draws_its_last_one(tmp_path
     assert (tmp_path / "run" / "confusion.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def assert_cells_shaded_by_count(png, matrix):
+    """Each count's shade (its fraction of the largest count along the Blues scale) covers at least half of a
+    cell per cell holding that count: the cells are drawn, and drawn by count (the colour bar's lines, 15 pixels
+    each, cannot make up half a cell's 48 x 48)."""
+    from PIL import Image
+
+    from toolkit.train.confusion import shade
+
+    high = max(map(max, matrix))
+    pixels = Counter(Image.open(png).convert("RGB").getdata())
+    for value, cells in Counter(count for row in matrix for count in row).items():
+        assert pixels[shade(value / high)] >= cells * 48 * 48 // 2, (value, cells, pixels[shade(value / high)])
+    assert shade(0.0) == (247, 251, 255) and shade(1.0) == (8, 48, 107)  # near white to matplotlib's darkest "Blues"
+
+
 def test_an_evaluation_writes_confusion_png_and_json_and_the_top5_column(tmp_path):
-    """confusion.png is a PNG matplotlib drew, of the final evaluation (an earlier one within the minute is not
-    drawn), confusion.json holds the counts with images.py's class names, each evaluation replaces it;
-    epochs.csv, the trackers' dict, the line and summary.json carry top-5."""
+    """confusion.png is a PNG of the final evaluation's matrix, its cells shaded by count (an earlier one within
+    the minute is not drawn), confusion.json holds the counts with images.py's class names, each evaluation
+    replaces it; epochs.csv, the trackers' dict, the line and summary.json carry top-5."""
     accelerator = toolkit.build_accelerator("single")
     run = TrainingRun(accelerator, config(tmp_path, epochs=2), plan_batches(4, 1, 4), batches_per_epoch=1)
     names = ["ant", "bee", "cat", "dog", "eel"]
@@ -165,9 +181,10 @@ def test_an_evaluation_writes_confusion_png_and_json_and_the_top5_column(tmp_pat
         assert (folder / "confusion.png").exists() == (step == 2)  # step 2 of 2: the final evaluation
         assert json.loads((folder / "confusion.json").read_text())["step"] == step
     png = (folder / "confusion.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and b"Matplotlib" in png  # its tEXt Software chunk
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk
     assert 200 < width < 3000 and 200 < height < 3000 and 5_000 < len(png) < 1_000_000
+    assert_cells_shaded_by_count(folder / "confusion.png", metrics["confusion_matrix"])
     written = json.loads((folder / "confusion.json").read_text())
     assert written == {"classes": names, "matrix": metrics["confusion_matrix"], "step": 2,
                        "per_class_accuracy": metrics["per_class_accuracy"]}
