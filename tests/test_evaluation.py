@@ -159,7 +159,8 @@ def assert_cells_shaded_by_count(png, matrix):
     from toolkit.train.confusion import shade
 
     high = max(map(max, matrix))
-    pixels = Counter(Image.open(png).convert("RGB").getdata())
+    image = Image.open(png).convert("RGB")
+    pixels = Counter({colour: count for count, colour in image.getcolors(image.width * image.height)})
     for value, cells in Counter(count for row in matrix for count in row).items():
         assert pixels[shade(value / high)] >= cells * 48 * 48 // 2, (value, cells, pixels[shade(value / high)])
     assert shade(0.0) == (247, 251, 255) and shade(1.0) == (8, 48, 107)  # near white to matplotlib's darkest "Blues"
