@@ -114,26 +114,27 @@ def forget_accelerate_state():
         GradientState._reset_state()
 
 
-@pytest.fixture(autouse=True)
-def share_the_machine(request, tmp_path_factory):
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
     """Under pytest-xdist (the README runs the suite with `-n auto --dist loadfile`), tests of different files
     run side by side, except a test marked `alone`: it asserts a time bound measured on an idle machine, so it
-    waits until the tests running elsewhere finish, and none starts until it ends. A readers-writer lock over
-    files every worker sees, with a turnstile so that a waiting `alone` test is not starved."""
-    if not hasattr(request.config, "workerinput"):  # one process: nothing runs beside this test
-        yield
-        return
+    waits until the tests running elsewhere finish, and none starts until it ends. The lock spans a test's whole
+    protocol, so the module and session fixtures it sets up or tears down (a file's shared launches) count as
+    running too. A readers-writer lock over files every worker sees, with a turnstile so that a waiting `alone`
+    test is not starved."""
+    if not hasattr(item.config, "workerinput"):  # one process: nothing runs beside this test
+        return (yield)
     import fcntl
 
-    folder = tmp_path_factory.getbasetemp().parent  # pytest-N/, above each worker's popen-gwK/
-    alone = request.node.get_closest_marker("alone") is not None
+    folder = Path(item.config.option.basetemp).parent  # pytest-N/, above each worker's popen-gwK/ (set by xdist)
+    alone = item.get_closest_marker("alone") is not None
     with open(folder / "turnstile.lock", "a") as turnstile, open(folder / "machine.lock", "a") as machine:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         if not alone:
             fcntl.flock(turnstile, fcntl.LOCK_UN)  # only passes through: a waiting `alone` test holds it
         fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         try:
-            yield
+            return (yield)
         finally:
             fcntl.flock(machine, fcntl.LOCK_UN)
             if alone:

@@ -1,0 +1,51 @@
+"""The suite's own `alone` marker (tests/conftest.py): under pytest-xdist, a test that asserts a time bound runs
+while nothing else does, counting another file's module fixture (its shared launches) as running."""
+
+import json
+import sys
+import textwrap
+
+from conftest import ROOT, run
+
+SHARED = """
+import json, time
+import pytest
+
+def record(name):
+    start = time.time()
+    time.sleep(1.5)
+    with open("intervals.jsonl", "a") as f:
+        f.write(json.dumps([name, start, time.time()]) + "\\n")
+"""
+
+
+def test_an_alone_test_never_overlaps_another_files_module_fixture(tmp_path):
+    """Two files on two workers: one whose work is all in a module fixture, one `alone` test. Whichever starts
+    first, the other waits for it: their intervals never overlap."""
+    (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("suite_conftest", {str(ROOT / "tests" / "conftest.py")!r})
+        suite = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(suite)
+        pytest_runtest_protocol = suite.pytest_runtest_protocol  # the suite's lock, nothing else of its conftest
+        """))
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    alone: runs while no other test does\n")
+    (tmp_path / "test_fixture.py").write_text(SHARED + textwrap.dedent("""
+        @pytest.fixture(scope="module")
+        def launches():
+            record("module fixture")
+
+        def test_uses_it(launches):
+            pass
+        """))
+    (tmp_path / "test_timed.py").write_text(SHARED + textwrap.dedent("""
+        @pytest.mark.alone
+        def test_timed():
+            record("alone")
+        """))
+    run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile",
+         "--basetemp", tmp_path / "base", tmp_path], cwd=tmp_path, timeout=120)
+    (a, a_start, a_end), (b, b_start, b_end) = sorted(json.loads(line) for line in
+                                                      (tmp_path / "intervals.jsonl").read_text().splitlines())
+    assert (a, b) == ("alone", "module fixture")
+    assert a_end <= b_start or b_end <= a_start, (a_start, a_end, b_start, b_end)
