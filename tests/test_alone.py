@@ -20,8 +20,8 @@ def record(name):
 
 
 def test_an_alone_test_never_overlaps_another_files_module_fixture(tmp_path):
-    """Two files on two workers: one whose work is all in a module fixture, one `alone` test. Whichever starts
-    first, the other waits for it: their intervals never overlap."""
+    """Two files on two workers: one whose work is all in a module fixture, one with two `alone` tests.
+    Whichever starts first, the others wait for it: no two intervals overlap."""
     (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
         import importlib.util
         spec = importlib.util.spec_from_file_location("suite_conftest", {str(ROOT / "tests" / "conftest.py")!r})
@@ -42,10 +42,15 @@ def test_an_alone_test_never_overlaps_another_files_module_fixture(tmp_path):
         @pytest.mark.alone
         def test_timed():
             record("alone")
+
+        @pytest.mark.alone
+        def test_timed_next():  # holds the machine over from the one before
+            record("alone next")
         """))
     run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile",
          "--basetemp", tmp_path / "base", tmp_path], cwd=tmp_path, timeout=120)
-    (a, a_start, a_end), (b, b_start, b_end) = sorted(json.loads(line) for line in
-                                                      (tmp_path / "intervals.jsonl").read_text().splitlines())
-    assert (a, b) == ("alone", "module fixture")
-    assert a_end <= b_start or b_end <= a_start, (a_start, a_end, b_start, b_end)
+    intervals = sorted(json.loads(line) for line in (tmp_path / "intervals.jsonl").read_text().splitlines())
+    assert [name for name, _, _ in intervals] == ["alone", "alone next", "module fixture"]
+    for first, (name, start, end) in enumerate(intervals):
+        for other, other_start, other_end in intervals[first + 1:]:
+            assert end <= other_start or other_end <= start, (name, other, intervals)
