@@ -237,3 +237,57 @@ def test_the_check_sees_private_reads_of_an_engine_outside_the_engines(tmp_path)
     assert private_engine_reads(root) == ["toolkit.train.run:2: accelerator._custom_objects",
                                           "toolkit.train.run:3: accelerator._optimizers",
                                           "toolkit.train.run:4: engine._wrap_model"]
+
+
+def engine_structure(base: type, engines: list[type]) -> list[str]:
+    """How `engines` build on `base`, as problems: an engine over another engine (ddp and fsdp are siblings:
+    each is `base` plus parts that are not engines), a hook defined twice along one engine's own classes (its
+    parts included), and a hook `base`'s docstring does not name."""
+    problems, inherited = [], set().union(*(vars(c) for c in base.__mro__))
+    for engine in engines:
+        own = [c for c in engine.__mro__ if c not in base.__mro__]
+        problems += [f"{c.__name__} builds on the engine {b.__name__}" for c in own for b in c.__bases__
+                     if b is not base and issubclass(b, base)]
+        defined = {}
+        for part in own:
+            for name in vars(part):
+                if name in inherited and name != "name" and not name.startswith("__"):
+                    defined.setdefault(name, []).append(part.__name__)
+        for name, parts in sorted(defined.items()):
+            if len(parts) > 1:
+                problems.append(f"{engine.__name__}.{name} is defined in {', '.join(parts)}")
+            if f"`{name}`" not in (base.__doc__ or ""):
+                problems.append(f"{engine.__name__}.{name} is not a hook {base.__name__}'s docstring names")
+    return problems
+
+
+def test_the_engines_are_siblings_with_each_hook_defined_once_and_named_in_the_base():
+    from toolkit.engines.base import TorchEngine
+    from toolkit.engines.ddp import RawDDPEngine
+    from toolkit.engines.dp import DataParallelEngine
+    from toolkit.engines.fsdp import FSDPEngine
+    from toolkit.engines.single import SingleEngine
+
+    assert engine_structure(TorchEngine, [SingleEngine, DataParallelEngine, RawDDPEngine, FSDPEngine]) == []
+    assert max(len([c for c in e.__mro__ if issubclass(c, TorchEngine)]) for e in (RawDDPEngine, FSDPEngine)) == 2
+
+
+def test_the_check_sees_an_engine_over_an_engine_a_hook_twice_and_an_unnamed_one():
+    class Base:
+        """Hooks: `_wrap`."""
+
+        def _wrap(self): ...
+        def _sync(self): ...
+
+    class Group:
+        def _sync(self): ...
+
+    class First(Base):
+        def _wrap(self): ...
+
+    class Second(Group, First):
+        def _wrap(self): ...
+
+    assert engine_structure(Base, [First, Second]) == [
+        "Second builds on the engine First", "Second._sync is not a hook Base's docstring names",
+        "Second._wrap is defined in Second, First"]

@@ -35,7 +35,7 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, se
 
 from toolkit.engines import collectives
 from toolkit.engines.base import cpu_requested
-from toolkit.engines.ddp import DEFAULT_TIMEOUT_S, attempt_store, nccl_error_handling, release_ddp_wrappers
+from toolkit.engines.group import DEFAULT_TIMEOUT_S, attempt_store, nccl_error_handling, release_ddp_wrappers
 from toolkit.engines.accelerate_state import load_state_verified, save_state_atomically
 from toolkit.engines.prepared import has_gradients
 from toolkit.engines.state_folder import check_checkpoint_format
@@ -81,7 +81,7 @@ def _count_skipped_steps(optimizer, engine):
 
 
 def _join_restarted_group(env, timeout: float | None, cpu: bool):
-    """After a torchrun restart, form the process group in this attempt's own key space (ddp.attempt_store)
+    """After a torchrun restart, form the process group in this attempt's own key space (group.attempt_store)
     before Accelerate would through env://, where a restarted group can read the killed attempt's gloo addresses
     and wait for them in init_process_group forever. Accelerate uses a group that exists."""
     if not env.restart_count or not env.agent_store or env.world_size == 1 or env.master_port is None or dist.is_initialized():

@@ -2,11 +2,11 @@
 
 An engine is `accelerate.Accelerator`'s public API, with the same names and meanings, declared as the
 `AcceleratorAPI` protocol in engines/api.py. `AccelerateEngine` hands every call to a real Accelerator; `SingleEngine`,
-`DataParallelEngine`, `RawDDPEngine` and `FSDPEngine` build on `TorchEngine` below and differ only in how they
-form the world, wrap a model and talk to other ranks. Where an engine has nothing to do (a barrier with one
-process), the method is a no-op, so scripts never ask which engine they are on. Checkpoints
-(engines/checkpointing.py), process-level calls (engines/processes.py) and trackers (engines/tracking.py) are
-mixed in from their own modules.
+`DataParallelEngine`, `RawDDPEngine` and `FSDPEngine` build on `TorchEngine` below, side by side (ddp and fsdp
+share engines/group.py's world of ranks), and differ only in how they form the world, wrap a model and talk to
+other ranks. Where an engine has nothing to do (a barrier with one process), the method is a no-op, so scripts
+never ask which engine they are on. Checkpoints (engines/checkpointing.py), process-level calls
+(engines/processes.py) and trackers (engines/tracking.py) are mixed in from their own modules.
 """
 
 from __future__ import annotations
@@ -58,9 +58,13 @@ def _autocast_forward(forward, device_type, dtype):
 
 
 class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, TrackingMixin):
-    """Shared body of the plain-PyTorch engines. Subclasses set `name` and override the hooks
-    `_wrap_model`, `_no_sync`, `_trigger_sync`, `_all_gather`, `_all_reduce`, `_gather_objects`,
-    `wait_for_everyone`, `end_training`."""
+    """Shared body of the plain-PyTorch engines. Each engine is one class over it (with shared parts mixed in
+    before it: engines/group.py's world of ranks), sets `name`, and may override these hooks, each once:
+    the world: `_select_device`, `process_index`, `local_process_index`, `num_processes`, `distributed_type`,
+    `is_fsdp2`, `wait_for_everyone`, `end_training`; the collectives: `_all_gather`, `_all_reduce`, `_gather_objects`;
+    a model: `prepare_model`, `_wrap_model`, `_no_sync`, `_trigger_sync`, `gathered_parameters`,
+    `get_state_dict`, `clip_grad_norm_`; the rest of prepare: `prepare`, `_prepare_one`. tests/test_layers.py
+    checks the list against the engines."""
 
     name = "torch"
     threads = None  # a toolkit.launch.env.Threads: build_accelerator sets torch's thread count and says it here

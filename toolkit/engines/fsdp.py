@@ -37,9 +37,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from toolkit.engines.base import amp_dtype
+from toolkit.engines.base import TorchEngine, amp_dtype
 from toolkit.engines.prepared import PreparedOptimizer
-from toolkit.engines.ddp import RawDDPEngine
+from toolkit.engines.group import ProcessGroupMixin
 from toolkit.config import listing
 from toolkit.errors import UserError
 from toolkit.engines.units import shard_units
@@ -200,7 +200,7 @@ class FSDPOptimizer(PreparedOptimizer):
         set_optimizer_state_dict(self.model, self.optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 
-class FSDPEngine(RawDDPEngine):
+class FSDPEngine(ProcessGroupMixin, TorchEngine):
     name = "fsdp"
     distributed_type = "FSDP"  # Accelerate's DistributedType value
     is_fsdp2 = True
