@@ -296,6 +296,38 @@ def test_state_json_holds_what_registered_objects_add(engine, tmp_path):
     engine._custom_objects.clear()
 
 
+def test_a_checkpoints_step_counts_optimizer_steps_and_micro_step_is_accumulates_counter(engine, tmp_path):
+    """state.json's and manifest.json's `step` is the optimizer steps taken: two optimizers stepping once per
+    batch count once, and the count goes on over epochs, where `micro_step` (Accelerate's `step`) starts again
+    at each epoch's end. load_state restores the count; a save after one more step says one more."""
+    engine.free_memory()
+    first, second = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    optimizers = [torch.optim.SGD(first.parameters(), lr=0.1), torch.optim.SGD(second.parameters(), lr=0.1)]
+    loader = DataLoader(TensorDataset(torch.randn(8, 3)), batch_size=2)  # 4 batches on 1 process
+    first, second, *optimizers, loader = engine.prepare(first, second, *optimizers, loader)
+
+    def train(batches):
+        for (inputs,) in batches:
+            with engine.accumulate(first, second):
+                engine.backward(first(inputs).sum() + second(inputs).sum())
+                for optimizer in optimizers:
+                    optimizer.step()
+                    optimizer.zero_grad()
+
+    train(loader), train(list(loader)[:3])  # an epoch to its end, then 3 batches of the next
+    engine.save_state(tmp_path / "state")
+    state, manifest = read_json(tmp_path / "state" / "state.json"), read_json(tmp_path / "state" / "manifest.json")
+    assert (state["step"], state["micro_step"], manifest["step"]) == (7, engine.step, 7) and engine.step < 7
+    engine.optimizer_steps = 0
+    engine.load_state(tmp_path / "state")
+    assert engine.optimizer_steps == 7
+    train(list(loader)[:1])
+    engine.save_state(tmp_path / "again")
+    assert read_json(tmp_path / "again" / "manifest.json")["step"] == read_json(tmp_path / "again" / "state.json")["step"] == 8
+    engine.free_memory()
+    assert engine.optimizer_steps == 0
+
+
 def test_sharded_save_state_round_trips_on_every_engine(engine, tmp_path):
     """checkpoint_format "sharded" at world 1: DCP's files in place of model.safetensors and optimizer.bin, and
     load_state restores weights, optimizer, scheduler, registered objects and RNG as the full format does."""

@@ -60,15 +60,18 @@ def _cache_lomo_probe():
             module.is_lomo_available = functools.cache(probe)
 
 
-def _count_skipped_steps(optimizer, engine):
-    """Wrap an AcceleratedOptimizer's step: with a GradScaler and no backward since the last step
-    (--skip-nonfinite), scaler.step would raise "No inf checks were recorded"; skip it and count it, and
-    count the steps the scaler skips on overflow."""
+def _count_steps(optimizer, engine):
+    """Wrap an AcceleratedOptimizer's step: count the optimizer steps (the first prepared optimizer's synced
+    steps, `optimizer_steps`); with a GradScaler and no backward since the last step (--skip-nonfinite),
+    scaler.step would raise "No inf checks were recorded": skip it and count it, and count the steps the scaler
+    skips on overflow."""
     step = optimizer.step
 
     def guarded(_self, *args, **kwargs):
         if not engine.accelerator.sync_gradients:
             return step(*args, **kwargs)
+        first = engine.accelerator._optimizers[:1]
+        engine.optimizer_steps += bool(first) and first[0] is optimizer
         if optimizer.scaler is not None and not has_gradients(optimizer.optimizer):
             optimizer._is_overflow = True  # what step_was_skipped reports
             engine.skipped_steps += 1
@@ -144,13 +147,14 @@ class AccelerateEngine:
     )
 
     skipped_steps = 0  # optimizer steps not applied (fp16 overflow, or no backward at all)
+    optimizer_steps = 0  # the first prepared optimizer's synced steps: a checkpoint's "step"
     threads = None  # a toolkit.launch.env.Threads: build_accelerator sets torch's thread count and says it here
 
     def prepare(self, *objects, **kwargs):
         prepared = self.accelerator.prepare(*objects, **kwargs)
         for obj in prepared if isinstance(prepared, tuple) else (prepared,):
-            if hasattr(obj, "step_was_skipped") and getattr(obj, "scaler", None) is not None:
-                _count_skipped_steps(obj, self)
+            if hasattr(obj, "step_was_skipped"):  # an AcceleratedOptimizer
+                _count_steps(obj, self)
             if isinstance(obj, DistributedDataParallel):
                 self._wrapped.append(weakref.ref(obj))
         self._observers.prepared(prepared if len(objects) != 1 else (prepared,))
@@ -193,6 +197,13 @@ class AccelerateEngine:
     def load_state(self, input_dir=None, load_kwargs=None, **load_model_func_kwargs):
         """Accelerate's own load_state, after checking the folder against its manifest when it has one."""
         return load_state_verified(self, input_dir, load_kwargs, **load_model_func_kwargs)
+
+    def free_memory(self, *objects):
+        """Accelerate's own free_memory; the optimizer steps count from 0 again, as its micro-steps do."""
+        self.optimizer_steps = 0
+        return self.accelerator.free_memory(*objects)
+
+    clear = free_memory
 
     def end_training(self):
         self.accelerator.end_training()  # destroys the process group

@@ -13,7 +13,7 @@ import shutil
 import torch
 
 from toolkit.engines.checkpointing import (destination, load_source, load_training_state, make_room,
-                                           save_sharded_state)
+                                           save_sharded_state, saved_optimizer_steps)
 from toolkit.engines.collectives import all_ranks
 from toolkit.engines.state_files import (CUSTOM_FILE, STATE_NAME, gather_rng_states, load_safe, read_state_json,
                                          state_json_text, training_state)
@@ -33,11 +33,12 @@ def save_state_atomically(engine, output_dir, safe_serialization, **save_model_f
     # One build folder for every rank (each writes its own random_states_<rank>.pkl there): rank 0's pid names it.
     pid = int(engine.gather(torch.tensor([os.getpid()], device=engine.device))[0])
     temp = final.with_name(f".tmp-{final.name}-{pid}")
-    state_text = None
+    state, state_text = None, None
     with all_ranks(engine):
         if engine.is_main_process:
             make_room(final, config)
-            state_text = state_json_text(_position(engine))  # fails before gigabytes are written
+            state = _position(engine)
+            state_text = state_json_text(state)  # fails before gigabytes are written
             final.parent.mkdir(parents=True, exist_ok=True)
             remove_leftovers(final.parent)  # build folders of writers that died, as start_folder does
             shutil.rmtree(temp, ignore_errors=True)
@@ -51,7 +52,7 @@ def save_state_atomically(engine, output_dir, safe_serialization, **save_model_f
         if engine.is_main_process:
             try:
                 (temp / STATE_NAME).write_text(state_text)
-                seal(temp, {"checkpoint_format": "full", "step": accelerator.step,
+                seal(temp, {"checkpoint_format": "full", "step": state["step"],
                             "world_size": accelerator.num_processes})
                 publish(temp, final)
             except BaseException:
@@ -63,7 +64,8 @@ def save_state_atomically(engine, output_dir, safe_serialization, **save_model_f
 def _position(engine) -> dict:
     """state.json of the Accelerator's state; its loaders' positions are their epochs (Accelerate's iteration)."""
     accelerator = engine.accelerator
-    return training_state(engine=engine.name, step=accelerator.step, iteration=accelerator.save_iteration,
+    return training_state(engine=engine.name, step=engine.optimizer_steps, micro_step=accelerator.step,
+                          iteration=accelerator.save_iteration,
                           world_size=accelerator.num_processes, accumulation=accelerator.gradient_accumulation_steps,
                           loaders=[{"epoch": getattr(dl, "iteration", 0)} for dl in accelerator._dataloaders],
                           registered=accelerator._custom_objects)
@@ -88,6 +90,7 @@ def load_state_verified(engine, input_dir, load_kwargs, **load_model_func_kwargs
     else:
         result = accelerator.load_state(str(path), load_kwargs=load_kwargs, **load_model_func_kwargs)
     state = read_state_json(path)
+    engine.optimizer_steps = saved_optimizer_steps(state, engine.optimizer_steps)
     for loader, position in zip(accelerator._dataloaders, state.get("dataloaders", [])):
         if hasattr(loader, "set_epoch"):
             loader.set_epoch(int(position.get("epoch", 0)))

@@ -102,6 +102,7 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
         self.end_of_dataloader = False
         self.step = 0  # accumulate() calls since the last optimizer step boundary (Accelerate's counter)
         self.skipped_steps = 0  # optimizer steps not applied: fp16 overflow, or no backward at all
+        self.optimizer_steps = 0  # the first prepared optimizer's synced steps: a checkpoint's "step"
         self.flag_tensor = None
         self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
         self._custom_objects = []

@@ -92,21 +92,22 @@ class CheckpointingMixin:
         return str(final)
 
     def _write_state(self, final, weights, optimizers, rng_states, safe_serialization):
-        state_text = state_json_text(self._training_position())  # fails before gigabytes are written
+        position = self._training_position()
+        state_text = state_json_text(position)  # fails before gigabytes are written
         temp = start_folder(final)
         try:
             write_full_weights(temp, weights, optimizers, safe_serialization)
             write_training_state(temp, state_text, schedulers=self._schedulers, scaler=self.scaler,
                                  rng_states=rng_states, custom_objects=self._custom_objects)
-            seal(temp, {"checkpoint_format": "full", "step": self.step, "world_size": self.num_processes})
+            seal(temp, {"checkpoint_format": "full", "step": position["step"], "world_size": self.num_processes})
             publish(temp, final)
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)
             raise
 
     def _training_position(self) -> dict:
-        return training_state(engine=self.name, step=self.step, iteration=self.save_iteration,
-                              world_size=self.num_processes, accumulation=self.gradient_accumulation_steps,
+        return training_state(engine=self.name, step=self.optimizer_steps, micro_step=self.step,
+                              iteration=self.save_iteration, world_size=self.num_processes, accumulation=self.gradient_accumulation_steps,
                               loaders=[loader.position() for loader in self._dataloaders],
                               registered=self._custom_objects)
 
@@ -128,6 +129,7 @@ class CheckpointingMixin:
             load_full_weights(path, self._models, self._optimizers, strict=load_model_func_kwargs.get("strict", True))
         self.step = load_training_state(self, path, self.step)
         state = read_state_json(path)
+        self.optimizer_steps = saved_optimizer_steps(state, self.optimizer_steps)
         for loader, position in zip(self._dataloaders, state.get("dataloaders", [])):
             loader.set_position(position)
 
@@ -184,16 +186,17 @@ def save_sharded_state(engine, final: Path, rng_states, hooks, position):
     model_states, optimizer_states = local_state_dicts(engine._models, engine._optimizers)
     for hook in hooks:
         hook(engine._models, model_states, str(final))
-    state_text = None
+    state, state_text = None, None
     with all_ranks(engine):  # refused on the main process before any rank writes a shard
         if engine.is_main_process:
             make_room(final, engine.project_configuration)
-            state_text = state_json_text(position())
+            state = position()
+            state_text = state_json_text(state)
 
     def finish(temp):
         write_training_state(temp, state_text, schedulers=engine._schedulers, scaler=engine.scaler,
                              rng_states=rng_states, custom_objects=engine._custom_objects)
-        seal(temp, {"checkpoint_format": "sharded", "step": engine.step, "world_size": engine.num_processes})
+        seal(temp, {"checkpoint_format": "sharded", "step": state["step"], "world_size": engine.num_processes})
 
     with all_ranks(engine):  # a shard or file that could not be written stops every rank, said once
         save_sharded(final, model_states, optimizer_states, finish)
@@ -216,6 +219,13 @@ def load_training_state(engine, path: Path, step: int) -> int:
     if saved is None and (path / rng_file(0)).is_file():  # a grown world: rank 0's streams were saved at the same step
         saved = load_safe(path / rng_file(0))
     return int(saved["step"]) if isinstance(saved, dict) and "step" in saved else step
+
+
+def saved_optimizer_steps(state: dict, steps: int) -> int:
+    """The optimizer steps state.json says were taken, where its `step` is one: a folder that has `micro_step`
+    beside it. Older folders' `step` was the micro-step counter, and Accelerate's own have no state.json: then
+    `steps`, the count as it stands."""
+    return int(state["step"]) if "micro_step" in state and "step" in state else steps
 
 
 def load_source(config, input_dir) -> Path:

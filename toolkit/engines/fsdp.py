@@ -194,6 +194,11 @@ class FSDPOptimizer(PreparedOptimizer):
                 "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in full["param_groups"]]}
 
     def load_state_dict(self, state_dict):
+        if not state_dict["state"]:
+            # No per-parameter state (SGD without momentum): nothing is sharded, and torch's full-state load
+            # cannot place what has no tensor ("Expected device to be set"). The groups' settings load as is.
+            self.optimizer.load_state_dict(state_dict)
+            return
         by_name = {"state": {self.names[i]: value for i, value in state_dict["state"].items()},
                    "param_groups": [{**g, "params": [self.names[i] for i in g["params"]]}
                                     for g in state_dict["param_groups"]]}

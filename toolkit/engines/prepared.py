@@ -54,6 +54,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if not self.engine.sync_gradients:
             return
+        first = self.engine._optimizers[:1]  # the first optimizer's steps count: a GAN's two step once each
+        self.engine.optimizer_steps += bool(first) and first[0] is self
         scaler = self.engine.scaler
         if scaler is None:
             self.optimizer.step(closure)

@@ -131,7 +131,7 @@ class ProcessesMixin:
         collect garbage and empty the device cache, as Accelerate's free_memory does."""
         for attribute in ("_models", "_optimizers", "_schedulers", "_dataloaders"):
             getattr(self, attribute).clear()
-        self.step = 0
+        self.step = self.optimizer_steps = 0
         objects = [None] * len(objects)
         gc.collect()
         if self.device.type == "cuda":

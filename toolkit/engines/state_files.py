@@ -65,12 +65,14 @@ def state_json_text(state: dict) -> str:
                         f"strings, lists and dicts.") from None
 
 
-def training_state(*, engine: str, step: int, iteration: int, world_size: int, accumulation: int, loaders: list,
-                   registered) -> dict:
-    """state.json, for every engine: where the engine stands (its micro-step counter `step`, its save count
-    `iteration`), which world saved it, each prepared loader's position, then what registered objects add."""
-    state = {"step": step, "iteration": iteration, "engine": engine, "world_size": world_size,
-             "gradient_accumulation_steps": accumulation, "dataloaders": loaders}
+def training_state(*, engine: str, step: int, micro_step: int, iteration: int, world_size: int, accumulation: int,
+                   loaders: list, registered) -> dict:
+    """state.json, for every engine: where the engine stands (`step`: the optimizer steps taken; `micro_step`:
+    accumulate()'s counter, Accelerate's `Accelerator.step`; `iteration`: its save count), which world saved it,
+    each prepared loader's position, then what registered objects add (a training loop's own `step` is an
+    optimizer step too)."""
+    state = {"step": step, "micro_step": micro_step, "iteration": iteration, "engine": engine,
+             "world_size": world_size, "gradient_accumulation_steps": accumulation, "dataloaders": loaders}
     return with_registered_state(state, registered)
 
 
