@@ -291,3 +291,34 @@ def test_the_check_sees_an_engine_over_an_engine_a_hook_twice_and_an_unnamed_one
     assert engine_structure(Base, [First, Second]) == [
         "Second builds on the engine First", "Second._sync is not a hook Base's docstring names",
         "Second._wrap is defined in Second, First"]
+
+
+FOLDER_MODULE = "toolkit.engines.state_folder"
+
+
+def folder_writers(root: Path) -> list[str]:
+    """Calls of seal() or publish() (what makes a folder a checkpoint: its manifest, its name) outside the
+    folder module, as `module:line: call`: every writer goes through its building()."""
+    found = []
+    for module, path in modules(root).items():
+        if module == FOLDER_MODULE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                if name in ("seal", "publish"):
+                    found.append(f"{module}:{node.lineno}: {name}")
+    return found
+
+
+def test_every_checkpoint_folder_is_sealed_and_published_in_one_place():
+    """The engines' save_state (full and sharded, the accelerate engine's too), the functional API and
+    `toolkit checkpoint consolidate` all build their folder in state_folder.building()."""
+    assert folder_writers(TOOLKIT) == []
+
+
+def test_the_check_sees_a_folder_sealed_or_published_by_hand(tmp_path):
+    root = _tree(tmp_path, {"__init__.py": "", "engines/__init__.py": "", "engines/state_folder.py": "seal(x, {})\n",
+                            "train/__init__.py": "", "train/save.py": (
+                                "def save(temp, final):\n    seal(temp, {})\n    state_folder.publish(temp, final)\n")})
+    assert folder_writers(root) == ["toolkit.train.save:2: seal", "toolkit.train.save:3: publish"]

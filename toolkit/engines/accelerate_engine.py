@@ -10,7 +10,8 @@
   numbers (Accelerate's trackio tracker drops a tensor).
 - save_state and load_state are Accelerate's own, published atomically with state.json and manifest.json and
   verified against it; save and save_model give their safetensors files the umask's mode.
-- Steps a GradScaler skips, or that had no backward, are counted (`skipped_steps`) instead of raising.
+- Steps a GradScaler skips, or that had no backward, are counted (`skipped_steps`) instead of raising, and
+  the optimizer steps are counted (`optimizer_steps`: a checkpoint's step), as on every engine.
 - end_training releases the DDP wrappers' hold on the destroyed group; main_process_first ends the other
   processes when the main one fails; `toolkit parity` observes prepare and backward.
 - Accelerate's per-step probe for `lomo_optim` is cached (`_cache_lomo_probe`).

@@ -17,8 +17,8 @@ from toolkit.engines.checkpointing import (destination, load_source, load_traini
 from toolkit.engines.collectives import all_ranks
 from toolkit.engines.state_files import (CUSTOM_FILE, STATE_NAME, gather_rng_states, load_safe, read_state_json,
                                          state_json_text, training_state)
-from toolkit.engines.state_folder import (MANIFEST_NAME, check_checkpoint_format, checkpoint_format, publish,
-                                          remove_leftovers, seal, verify_folder)
+from toolkit.engines.state_folder import (MANIFEST_NAME, building, check_checkpoint_format, checkpoint_format,
+                                          remove_leftovers, verify_folder)
 
 
 def save_state_atomically(engine, output_dir, safe_serialization, **save_model_func_kwargs) -> str:
@@ -50,14 +50,9 @@ def save_state_atomically(engine, output_dir, safe_serialization, **save_model_f
     accelerator.wait_for_everyone()
     with all_ranks(engine):
         if engine.is_main_process:
-            try:
+            about = {"checkpoint_format": "full", "step": state["step"], "world_size": accelerator.num_processes}
+            with building(final, about, temp=temp):
                 (temp / STATE_NAME).write_text(state_text)
-                seal(temp, {"checkpoint_format": "full", "step": state["step"],
-                            "world_size": accelerator.num_processes})
-                publish(temp, final)
-            except BaseException:
-                shutil.rmtree(temp, ignore_errors=True)
-                raise
     return str(final)
 
 

@@ -11,7 +11,6 @@ so a failed save stops every rank.
 from __future__ import annotations
 
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,8 +23,8 @@ from toolkit.engines.full_state import load_full_weights, write_full_weights
 from toolkit.engines.state_files import (CUSTOM_FILE, SCALER_NAME, custom_file, load_safe, read_state_json,
                                          restore_rng, rng_file, rng_state, state_file, state_json_text,
                                          training_state, write_training_state)
-from toolkit.engines.state_folder import (MANIFEST_NAME, check_checkpoint_format, checkpoint_format, publish,
-                                          remove_folder, seal, start_folder, verify_folder)
+from toolkit.engines.state_folder import (MANIFEST_NAME, building, check_checkpoint_format, checkpoint_format,
+                                          remove_folder, verify_folder)
 from toolkit.engines.weights import one_name_per_storage, save_safetensors
 
 # What save_state may replace: the files a checkpoint folder holds (sharded: torch.distributed.checkpoint's).
@@ -94,16 +93,11 @@ class CheckpointingMixin:
     def _write_state(self, final, weights, optimizers, rng_states, safe_serialization):
         position = self._training_position()
         state_text = state_json_text(position)  # fails before gigabytes are written
-        temp = start_folder(final)
-        try:
+        with building(final, {"checkpoint_format": "full", "step": position["step"],
+                              "world_size": self.num_processes}) as temp:
             write_full_weights(temp, weights, optimizers, safe_serialization)
             write_training_state(temp, state_text, schedulers=self._schedulers, scaler=self.scaler,
                                  rng_states=rng_states, custom_objects=self._custom_objects)
-            seal(temp, {"checkpoint_format": "full", "step": position["step"], "world_size": self.num_processes})
-            publish(temp, final)
-        except BaseException:
-            shutil.rmtree(temp, ignore_errors=True)
-            raise
 
     def _training_position(self) -> dict:
         return training_state(engine=self.name, step=self.optimizer_steps, micro_step=self.step,
@@ -186,20 +180,20 @@ def save_sharded_state(engine, final: Path, rng_states, hooks, position):
     model_states, optimizer_states = local_state_dicts(engine._models, engine._optimizers)
     for hook in hooks:
         hook(engine._models, model_states, str(final))
-    state, state_text = None, None
+    state_text, about = None, None
     with all_ranks(engine):  # refused on the main process before any rank writes a shard
         if engine.is_main_process:
             make_room(final, engine.project_configuration)
             state = position()
             state_text = state_json_text(state)
+            about = {"checkpoint_format": "sharded", "step": state["step"], "world_size": engine.num_processes}
 
     def finish(temp):
         write_training_state(temp, state_text, schedulers=engine._schedulers, scaler=engine.scaler,
                              rng_states=rng_states, custom_objects=engine._custom_objects)
-        seal(temp, {"checkpoint_format": "sharded", "step": state["step"], "world_size": engine.num_processes})
 
     with all_ranks(engine):  # a shard or file that could not be written stops every rank, said once
-        save_sharded(final, model_states, optimizer_states, finish)
+        save_sharded(final, model_states, optimizer_states, finish, about)
 
 
 def load_training_state(engine, path: Path, step: int) -> int:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import io
 import pickle
-import shutil
 import warnings
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from toolkit.errors import PeerFailure, UserError
-from toolkit.engines.state_folder import publish, start_folder
+from toolkit.engines.state_folder import building, start_folder
 from toolkit.engines.weights import mismatch_sentence, refusal_reason, unwrap_model
 
 INDEX = ".metadata"  # DCP's name for the index of a checkpoint
@@ -93,28 +92,25 @@ def _owner(models, optimizer, index):
                     f"optimizer's state by its model's parameters; prepare its model too, or save the full format.")
 
 
-def save_sharded(final: Path, model_states, optimizer_states, finish) -> Path:
+def save_sharded(final: Path, model_states, optimizer_states, finish, about: dict | None) -> Path:
     """Every rank: rank 0 makes the hidden build folder beside `final` and tells the others its name, every rank
     writes its shards of `model_states` and `optimizer_states` (local_state_dicts) into it, then rank 0 checks
-    that every shard arrived, calls `finish(folder)` to write the rest and the manifest, and publishes `final`.
-    When rank 0 cannot make the folder, the others stop with a quiet PeerFailure."""
+    that every shard arrived, calls `finish(folder)` to write the rest, and seals the folder with `about` (rank
+    0's) and publishes it as `final` (state_folder.building). When rank 0 cannot make the folder, the others stop
+    with a quiet PeerFailure."""
     main = not _distributed() or dist.get_rank() == 0
     temp = _shared_build_folder(final, main)
     try:
-        # Replicated values (BatchNorm buffers, a ddp model) come from rank 0, as in a full checkpoint.
-        with _quiet_single_process():
-            index = dcp.save(_shards(model_states, optimizer_states), storage_writer=FileSystemWriter(temp),
-                             planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True), no_dist=not _distributed())
-        if main:
-            _check_all_shards_here(temp, index)
-            finish(temp)
-            publish(temp, final)
-    except BaseException as error:
-        if main:
-            shutil.rmtree(temp, ignore_errors=True)
-        if isinstance(error, CheckpointException):  # DCP's wrapper of each rank's failure (a disk full...)
-            raise _first_cause(error) from None
-        raise
+        with building(final, about, temp=temp) if main else contextlib.nullcontext():
+            # Replicated values (BatchNorm buffers, a ddp model) come from rank 0, as in a full checkpoint.
+            with _quiet_single_process():
+                index = dcp.save(_shards(model_states, optimizer_states), storage_writer=FileSystemWriter(temp),
+                                 planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True), no_dist=not _distributed())
+            if main:
+                _check_all_shards_here(temp, index)
+                finish(temp)
+    except CheckpointException as error:  # DCP's wrapper of each rank's failure (a disk full...)
+        raise _first_cause(error) from None
     return final
 
 

@@ -18,6 +18,7 @@ What the files hold, and how they are read safely: toolkit/engines/state_files.p
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -60,6 +61,22 @@ def check_checkpoint_format(kind: str) -> str:
 
 
 # -- building a folder: atomic publish and the manifest ---------------------------------------------------
+@contextlib.contextmanager
+def building(final: Path, about: dict, temp: Path | None = None):
+    """Every checkpoint folder is written in this block: it yields a hidden build folder beside `final` for the
+    files, and when the block ends seals it (manifest.json, with `about`) and publishes it as `final`. On any
+    error the build folder is removed and `final` is as it was. `temp`: a build folder other ranks have written
+    into already (start_folder's, made by the main process)."""
+    temp = start_folder(final) if temp is None else temp
+    try:
+        yield temp
+        seal(temp, about)
+        publish(temp, final)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+
+
 def start_folder(final: Path) -> Path:
     """A fresh hidden sibling of `final` to build a save in (its parent made; leftovers of writers that died
     beside it removed)."""
@@ -85,6 +102,15 @@ def seal(folder: Path, about: dict):
     manifest.write_text(json.dumps({"format": 1, **about, "files": files}, indent=2) + "\n")
     fsync(manifest)
     fsync(folder)
+
+
+def seal_if_unsealed(folder, step: int, world_size: int):
+    """Seal a step folder that Accelerate's own `save_state` wrote (it writes no manifest): the size and sha256
+    of each of its files, so that --resume and `latest` verify it as they verify the toolkit's. Call it on the
+    main process once every rank has written its files; a folder an engine sealed is left as it is."""
+    folder = Path(folder)
+    if not (folder / MANIFEST_NAME).is_file():
+        seal(folder, {"checkpoint_format": "full", "step": step, "world_size": world_size})
 
 
 def publish(temp: Path, final: Path):

@@ -15,7 +15,6 @@ pruning). Loading never unpickles code. The engine-layer names are listed in `__
 toolkit/engines/state_folder.py and state_files.py; sharded saves: toolkit/train/sharded_checkpoint.py.
 """
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -26,24 +25,15 @@ from toolkit.errors import UserError
 from toolkit.engines.full_state import load_full_weights, write_full_weights
 from toolkit.engines.state_files import (SCALER_NAME, gather_rng_states, load_safe, read_state_json, rng_state,
                                          state_file, state_json_text, write_training_state)
-from toolkit.engines.state_folder import (CHECKPOINT_FORMATS, MANIFEST_NAME, best_checkpoint, check_keep, checkpoint_folder,
+from toolkit.engines.state_folder import (CHECKPOINT_FORMATS, MANIFEST_NAME, best_checkpoint, building, check_keep, checkpoint_folder,
                                           checkpoint_format, finish_checkpoint, latest_checkpoint, list_checkpoints,
-                                          mark_best, publish, read_state, resolve_checkpoint, seal, start_folder)
+                                          mark_best, read_state, resolve_checkpoint, seal_if_unsealed)
 from toolkit.engines.state_folder import verify_folder as verify_checkpoint
 
 __all__ = ["CHECKPOINT_FORMATS", "best_checkpoint", "checkpoint_folder", "finish_checkpoint", "gather_rng_states",
            "latest_checkpoint", "list_checkpoints", "load_checkpoint", "mark_best", "read_state", "save_checkpoint",
-           "check_run_state",
+           "check_run_state", "seal_if_unsealed",
            "verify_checkpoint"]
-
-
-def seal_if_unsealed(folder, step: int, world_size: int):
-    """Seal a step folder that Accelerate's own `save_state` wrote (it writes no manifest): the size and sha256
-    of each of its files, so that --resume and `latest` verify it as they verify the toolkit's. Call it on the
-    main process once every rank has written its files; a folder an engine sealed is left as it is."""
-    folder = Path(folder)
-    if not (folder / MANIFEST_NAME).is_file():
-        seal(folder, {"checkpoint_format": "full", "step": step, "world_size": world_size})
 
 
 def save_checkpoint(root, step, *, model, optimizer=None, scheduler=None, scaler=None,
@@ -59,16 +49,10 @@ def save_checkpoint(root, step, *, model, optimizer=None, scheduler=None, scaler
     final = checkpoint_folder(root, step)
     check_keep(keep)
     state_text = state_json_text({"step": step, **(state or {})})
-    temp = start_folder(final)
-    try:
+    with building(final, {"checkpoint_format": "full", "step": step, "world_size": _world_size()}) as temp:
         write_full_weights(temp, [model], [optimizer] if optimizer is not None else [])
         write_training_state(temp, state_text, schedulers=[scheduler] if scheduler is not None else [],
                              scaler=scaler, rng_states=rng_states or [rng_state(step)])
-        seal(temp, {"checkpoint_format": "full", "step": step, "world_size": _world_size()})
-        publish(temp, final)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
     finish_checkpoint(root, final, keep)
     return final
 

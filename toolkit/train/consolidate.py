@@ -11,8 +11,8 @@ from pathlib import Path
 from toolkit.errors import UserError
 from toolkit.engines.full_state import write_full_weights
 from toolkit.engines.sharded_state import INDEX, read_whole
-from toolkit.engines.state_folder import (MANIFEST_NAME, STEP_FOLDER, checkpoint_format, finish_checkpoint, publish,
-                                          resolve_checkpoint, seal, start_folder)
+from toolkit.engines.state_folder import (MANIFEST_NAME, STEP_FOLDER, building, checkpoint_format, finish_checkpoint,
+                                          resolve_checkpoint)
 from toolkit.engines.weights import save_model
 
 
@@ -35,17 +35,12 @@ def _consolidate_verified(path, out):
         return out
     manifest = json.loads((path / MANIFEST_NAME).read_text())
     final = out / path.name
-    temp = start_folder(final)
-    try:
+    about = {"checkpoint_format": "full", "step": manifest.get("step"), "world_size": manifest.get("world_size")}
+    with building(final, about) as temp:
         write_full_weights(temp, models, [_torch_layout(state) for state in optimizers])
         for file in path.iterdir():  # scheduler, scaler, RNG, registered objects, state.json: as they were
             if file.name not in (INDEX, MANIFEST_NAME) and file.suffix != ".distcp":
                 shutil.copy2(file, temp / file.name)
-        seal(temp, {"checkpoint_format": "full", "step": manifest.get("step"), "world_size": manifest.get("world_size")})
-        publish(temp, final)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
     if STEP_FOLDER.fullmatch(final.name):
         finish_checkpoint(out, final)
     return final

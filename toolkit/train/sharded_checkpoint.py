@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from toolkit.engines.sharded_state import local_state_dicts, read_index, save_sharded
 from toolkit.engines.state_files import rng_state, state_json_text, write_training_state
-from toolkit.engines.state_folder import check_keep, checkpoint_folder, finish_checkpoint, seal
+from toolkit.engines.state_folder import check_keep, checkpoint_folder, finish_checkpoint
 
 __all__ = ["read_index", "save_sharded_checkpoint"]
 
@@ -36,9 +36,9 @@ def save_sharded_checkpoint(root, step, *, model, optimizer=None, scheduler=None
     def finish(temp):
         write_training_state(temp, state_text, schedulers=[scheduler] if scheduler is not None else [],
                              scaler=scaler, rng_states=rng_states or [rng_state(step)])
-        seal(temp, {"checkpoint_format": "sharded", "step": step, "world_size": world})
 
-    save_sharded(final, model_states, optimizer_states, finish)
+    save_sharded(final, model_states, optimizer_states, finish,
+                 {"checkpoint_format": "sharded", "step": step, "world_size": world})
     if not distributed or dist.get_rank() == 0:
         finish_checkpoint(root, final, keep)
     return final
