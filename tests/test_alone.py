@@ -1,4 +1,4 @@
-"""The suite's own `alone` marker (tests/conftest.py): under pytest-xdist, a test that asserts a time bound runs
+"""The suite's own `alone` marker (tests/machine_share.py): under pytest-xdist, a test that asserts a time bound runs
 while nothing else does, counting another file's module fixture (its shared launches) as running."""
 
 import json
@@ -13,7 +13,7 @@ import pytest
 
 def record(name):
     start = time.time()
-    time.sleep(1.5)
+    time.sleep(1.0)
     with open("intervals.jsonl", "a") as f:
         f.write(json.dumps([name, start, time.time()]) + "\\n")
 """
@@ -23,11 +23,9 @@ def test_an_alone_test_never_overlaps_another_files_module_fixture(tmp_path):
     """Two files on two workers: one whose work is all in a module fixture, one with two `alone` tests.
     Whichever starts first, the others wait for it: no two intervals overlap."""
     (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
-        import importlib.util
-        spec = importlib.util.spec_from_file_location("suite_conftest", {str(ROOT / "tests" / "conftest.py")!r})
-        suite = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(suite)
-        pytest_runtest_protocol = suite.pytest_runtest_protocol  # the suite's lock, nothing else of its conftest
+        import sys
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        from machine_share import pytest_runtest_protocol  # the suite's lock, as tests/conftest.py takes it in
         """))
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    alone: runs while no other test does\n")
     (tmp_path / "test_fixture.py").write_text(SHARED + textwrap.dedent("""
