@@ -149,8 +149,8 @@ def peaks_on_ranks(out_dir: str):
         torch.ones(64, 64) @ torch.ones(64, 64)
         run.step_done(loss=1.0, lr=0.1)
     held = torch.ones(128 * 2 ** 20 if accelerator.process_index == 1 else 1)  # 512 MiB on rank 1
-    own = peak_memory_bytes(accelerator.device)
     least, most = run.gathered_peak_memory()
+    own = peak_memory_bytes(accelerator.device)  # read after: a peak only grows
     owns = accelerator.gather(torch.tensor([own]))
     if accelerator.is_main_process:
         (Path(out_dir) / "peaks.json").write_text(json.dumps({"least": least, "most": most, "owns": owns.tolist(),
@@ -165,7 +165,11 @@ def test_the_peak_memory_is_gathered_from_every_rank(tmp_path):
     toolkit.spawn(peaks_on_ranks, 2, str(tmp_path), start_method="spawn")
     peaks = json.loads((tmp_path / "peaks.json").read_text())
     print(f"peaks per rank {[p / 2 ** 20 for p in peaks['owns']]} MiB")
-    assert (peaks["least"], peaks["most"]) == (min(peaks["owns"]), max(peaks["owns"]))
+    # Each rank's own peak, read just after the gather: equal, or a little higher where the gather itself
+    # allocated (40 KiB seen on rank 0 under ATEN_CPU_CAPABILITY=default); rank 0's peak counted twice would be
+    # 512 MiB off.
+    for gathered, own in zip((peaks["least"], peaks["most"]), peaks["owns"]):
+        assert gathered <= own <= gathered + 2 ** 20, (peaks, gathered, own)
     assert peaks["owns"][1] - peaks["owns"][0] >= 400 * 2 ** 20
     traces = sorted(p.name for p in (tmp_path / "run" / "profile").glob("trace-*.json"))
     assert traces == ["trace-rank0-steps1-1.json", "trace-rank1-steps1-1.json"]  # --profile-steps on every rank
