@@ -13,9 +13,10 @@ def is_alone(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The `alone` tests first: each leads its file, and their files lead the session, so the wait for the
-    machine to empty (pytest_runtest_protocol) falls at the start, and one wait serves tests that follow each
-    other, not one behind each file's minute of launches."""
+    """The `alone` tests first: each leads its file, so the wait for the machine to empty
+    (pytest_runtest_protocol) falls at a file's start, and one wait serves tests that follow each other, not one
+    behind each file's minute of launches. Their files lead the collection too, which pytest-xdist's own order
+    (by number of tests per file, its default) then overrides."""
     leading = {item.path for item in items if is_alone(item)}
     order = {path: i for i, path in enumerate(dict.fromkeys(item.path for item in items))}
     items.sort(key=lambda item: (item.path not in leading, order[item.path], not is_alone(item)))
