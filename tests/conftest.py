@@ -55,7 +55,7 @@ def run(cmd, timeout=180, check=True, cwd=ROOT, **env):
 
 def final_weights(out, steps=None):
     """The model weights of OUT's latest checkpoint, which must be that of step `steps` when given."""
-    from toolkit.train.checkpoint import latest_checkpoint
+    from toolkit.checkpoint.functional import latest_checkpoint
 
     checkpoint = latest_checkpoint(Path(out) / "checkpoints")
     assert checkpoint is not None and (steps is None or checkpoint.name == f"step-{steps:08d}"), checkpoint

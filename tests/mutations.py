@@ -277,7 +277,7 @@ MUTATIONS = {
         (f"{OPTIMIZERS}::test_a_frozen_backbone_stays_and_the_head_trains_at_head_lr",),
         "fine-tuning: --head-lr is dropped and the head trains at the backbone's lr"),
     "files-keep-tempfile-mode": Mutation(
-        "toolkit.engines.weights", "honour_umask", _files_keep_tempfile_mode,
+        "toolkit.checkpoint.weights", "honour_umask", _files_keep_tempfile_mode,
         ("tests/test_checkpoint.py::test_every_file_a_save_writes_has_the_mode_the_umask_gives",),
         "shared storage: a checkpoint's weights keep safetensors' 0600, unreadable to teammates"),
     "threads-left-to-torch": Mutation(
@@ -325,7 +325,7 @@ MUTATIONS = {
         ("tests/test_checkpoint.py::test_a_schedule_saved_by_two_processes_goes_on_from_its_count_on_one",),
         "elastic: the lr schedule's step count starts again after a world change"),
     "checkpoint-drops-optimizer": Mutation(
-        "toolkit.train.checkpoint", "load_checkpoint", _checkpoint_drops_optimizer,
+        "toolkit.checkpoint.functional", "load_checkpoint", _checkpoint_drops_optimizer,
         ("tests/test_checkpoint.py::test_round_trip_restores_everything",),
         "resume: loading a checkpoint leaves the optimizer's momentum behind"),
     "metrics-keep-padding": Mutation(

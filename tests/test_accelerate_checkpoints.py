@@ -9,7 +9,7 @@ from accelerate.state import AcceleratorState
 from conftest import PY, ROOT, run
 
 from toolkit.models.nets import build_model
-from toolkit.train.checkpoint import latest_checkpoint
+from toolkit.checkpoint.functional import latest_checkpoint
 from toolkit.train.optim import warmup_linear_decay
 
 CIFAR = ROOT / "recipes" / "cifar.py"

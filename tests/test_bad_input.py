@@ -15,7 +15,7 @@ import pytest
 from conftest import CONFIGS, PY, ROOT, TOOLKIT, run
 from hostile import CreatesFileOnLoad
 from toolkit import cli
-from toolkit.train.checkpoint import save_checkpoint
+from toolkit.checkpoint.functional import save_checkpoint
 from toolkit.errors import UserError
 from toolkit.models.nets import build_model
 

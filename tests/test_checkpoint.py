@@ -22,9 +22,9 @@ import torch.distributed as dist
 from hostile import CreatesFileOnLoad
 
 from toolkit.errors import UserError
-from toolkit.engines.weights import load_model, save_model, unwrap_model
-from toolkit.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, verify_checkpoint
-from toolkit.engines.state_files import restore_rng, rng_state, set_rng_state, write_training_state
+from toolkit.checkpoint.weights import load_model, save_model, unwrap_model
+from toolkit.checkpoint.functional import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, verify_checkpoint
+from toolkit.checkpoint.files import restore_rng, rng_state, set_rng_state, write_training_state
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -259,7 +259,7 @@ def test_every_file_a_save_writes_has_the_mode_the_umask_gives(engine, checkpoin
     the umask like any other file."""
     import toolkit
     from accelerate.state import AcceleratorState
-    from toolkit.train.consolidate import consolidate
+    from toolkit.checkpoint.consolidate import consolidate
 
     umask(mask)
     accelerator = toolkit.build_accelerator(engine, checkpoint_format=checkpoint_format)
@@ -368,7 +368,7 @@ def test_stale_or_garbage_pointer_falls_back(tmp_path):
 
 WRITER_SERVER = """
 import os, sys, torch
-from toolkit.train.checkpoint import latest_checkpoint, save_checkpoint
+from toolkit.checkpoint.functional import latest_checkpoint, save_checkpoint
 
 def save_forever(root):
     with torch.device("meta"):
@@ -495,7 +495,7 @@ def test_a_schedule_saved_by_two_processes_goes_on_from_its_count_on_one(tmp_pat
     schedule's first. The folder says 2 processes in state.json and its manifest, as a 2-process save_state
     writes it (test_recipe.py resumes a real one: test_ddp_checkpoint_resumes_on_one_process_under_single_and_dp)."""
     import toolkit
-    from toolkit.engines.state_folder import MANIFEST_NAME, seal
+    from toolkit.checkpoint.folder import MANIFEST_NAME, seal
 
     def build():
         torch.manual_seed(3)

@@ -199,7 +199,7 @@ def loss_diff(out, reference) -> float:
 def weights(out):
     """The final checkpoint's weights, full or sharded (loaded whole into one process)."""
     from toolkit.models.nets import build_model
-    from toolkit.train.checkpoint import latest_checkpoint, load_checkpoint
+    from toolkit.checkpoint.functional import latest_checkpoint, load_checkpoint
 
     checkpoint = latest_checkpoint(Path(out) / "checkpoints")
     assert checkpoint is not None and checkpoint.name == f"step-{STEPS:08d}", checkpoint

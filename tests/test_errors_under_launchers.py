@@ -22,7 +22,7 @@ import pytest
 from conftest import (ACCELERATE, CONFIGS, PY, ROOT, SCRIPTS, TOOLKIT, TORCHRUN, as_a_terminal_starts_it, clean_env,
                       kill_groups, run)
 from toolkit.launch.launcher import free_port
-from toolkit.train.checkpoint import latest_checkpoint
+from toolkit.checkpoint.functional import latest_checkpoint
 
 CIFAR = str(ROOT / "recipes" / "cifar.py")
 CPU = str(CONFIGS / "cpu.yaml")

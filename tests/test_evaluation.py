@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import toolkit
 from toolkit.train import EvalMetrics, TrainingConfig, TrainingRun, apply_preset, check_config, plan_batches
-from toolkit.train.checkpoint import best_checkpoint, latest_checkpoint, list_checkpoints, read_state
+from toolkit.checkpoint.functional import best_checkpoint, latest_checkpoint, list_checkpoints, read_state
 
 CLASSES, FEATURES, SAMPLES, BATCH = 5, 6, 37, 4  # 37 over 2 ranks in batches of 4: the last batch is padded
 

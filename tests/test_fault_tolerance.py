@@ -11,7 +11,7 @@ import pytest
 from conftest import (CONFIGS, PY, ROOT, SCRIPTS, TOOLKIT, TORCHRUN, clean_env, final_weights, kill_groups,
                       read_json, run)
 
-from toolkit.train.checkpoint import latest_checkpoint, verify_checkpoint
+from toolkit.checkpoint.functional import latest_checkpoint, verify_checkpoint
 from toolkit.launch.launcher import free_port
 
 CIFAR = ROOT / "recipes" / "cifar.py"

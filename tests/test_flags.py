@@ -15,7 +15,7 @@ import torch
 
 from digits import write_digits_cifar
 from conftest import PY, ROOT, SCRIPTS, TORCHRUN, final_weights, read_json, run
-from toolkit.train.checkpoint import list_checkpoints
+from toolkit.checkpoint.functional import list_checkpoints
 from toolkit.launch.launcher import free_port
 
 CIFAR = ROOT / "recipes" / "cifar.py"

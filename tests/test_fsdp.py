@@ -179,8 +179,8 @@ def consolidated(run_dir, out):
 
 
 def test_sharded_checkpoints_hold_each_ranks_shards_and_nothing_gathered(sharded_runs, fsdp_run):
-    from toolkit.train.checkpoint import verify_checkpoint
-    from toolkit.train.sharded_checkpoint import read_index
+    from toolkit.checkpoint.functional import verify_checkpoint
+    from toolkit.checkpoint.functional_sharded import read_index
 
     at4 = sharded_runs / "two" / "checkpoints" / "step-00000004"
     verify_checkpoint(at4)  # the manifest covers every shard

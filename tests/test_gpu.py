@@ -131,7 +131,7 @@ def test_channels_last_and_compile(tmp_path):
 
 def test_gpu_checkpoint_resumes_on_cpu_and_back_exactly(tmp_path):
     need_gpus(1)
-    from toolkit.train.checkpoint import load_checkpoint, save_checkpoint
+    from toolkit.checkpoint.functional import load_checkpoint, save_checkpoint
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)).cuda()

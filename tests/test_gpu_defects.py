@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import SCRIPTS, run
-from toolkit.train.checkpoint import load_checkpoint, save_checkpoint
+from toolkit.checkpoint.functional import load_checkpoint, save_checkpoint
 from toolkit.launch.env import read_launch_env
 
 

@@ -82,7 +82,7 @@ INDEX_NEAR_MISSES = [("torch", "load"), ("torch", "Tensor"), ("torch.distributed
 def test_the_checkpoint_index_unpickler_refuses_a_near_miss_of_its_list(tmp_path, module, name):
     import torch
 
-    from toolkit.engines.sharded_state import INDEX, read_index
+    from toolkit.checkpoint.sharded import INDEX, read_index
 
     for listed, expected in ((("torch", "float32"), torch.float32), (("pathlib", "PosixPath"), pathlib.PosixPath)):
         (tmp_path / INDEX).write_bytes(naming(*listed))
@@ -270,7 +270,7 @@ def hostile_checkpoint(tmp_path, edit):
     import hashlib
     import json
 
-    from toolkit.train.checkpoint import save_checkpoint
+    from toolkit.checkpoint.functional import save_checkpoint
     from toolkit.models.nets import build_model
 
     state = {"step": 1, "epoch": 0, "samples_in_epoch": 0, "world_size": 1, "config": {"model": "tiny"}}
@@ -403,7 +403,7 @@ def test_hostile_files_are_refused_in_one_sentence_and_run_nothing(case, tmp_pat
 
     import torch
 
-    from toolkit.train.checkpoint import load_checkpoint, verify_checkpoint
+    from toolkit.checkpoint.functional import load_checkpoint, verify_checkpoint
     from toolkit.models.nets import build_model
 
     make, read, words = HOSTILE[case]
@@ -432,7 +432,7 @@ def test_hostile_files_are_refused_in_one_sentence_and_run_nothing(case, tmp_pat
 
 
 def test_a_latest_pointer_that_is_a_folder_is_ignored_with_a_warning(tmp_path, capsys):
-    from toolkit.train.checkpoint import latest_checkpoint
+    from toolkit.checkpoint.functional import latest_checkpoint
 
     path = hostile_checkpoint(tmp_path, lambda p: None)
     (path.parent / "latest").unlink(missing_ok=True)

@@ -13,7 +13,7 @@ from conftest import (ACCELERATE, CONFIGS, PY, ROOT, TORCHRUN, clean_env, final_
                       read_json, run)
 from image_folders import CLASSES, write_digit_folders, write_digit_parquet
 
-from toolkit.train.checkpoint import latest_checkpoint
+from toolkit.checkpoint.functional import latest_checkpoint
 from toolkit.errors import UserError
 from toolkit.data.folder import open_images
 from toolkit.launch.launcher import free_port

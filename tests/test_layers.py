@@ -1,5 +1,5 @@
 """Modules stay short (a file within 400 lines, a function within 60), and imports flow one way through the
-toolkit's layers (STYLE.md): errors/config <- launch <- engines <- data/models <- train <- check <- cli and the
+toolkit's layers (STYLE.md): errors/config <- launch <- checkpoint <- engines <- data/models <- train <- check <- cli and the
 package itself. Every import counts: at the top of a module or inside a function, `import toolkit.x`,
 `from toolkit.x import y`, `from toolkit import x` and relative ones. A lower layer that needs to call up exposes
 a hook instead (toolkit/engines/observers.py)."""
@@ -15,6 +15,7 @@ TOOLKIT = Path(__file__).resolve().parents[1] / "toolkit"
 LAYERS = [
     ("toolkit.errors", "toolkit.config"),
     ("toolkit.launch",),
+    ("toolkit.checkpoint",),
     ("toolkit.engines",),
     ("toolkit.data", "toolkit.models"),
     ("toolkit.train",),
@@ -163,7 +164,7 @@ def state_json_builders(root: Path) -> list[str]:
 
 
 def test_state_json_is_built_in_one_function():
-    assert state_json_builders(TOOLKIT) == ["toolkit.engines.state_files.training_state"]
+    assert state_json_builders(TOOLKIT) == ["toolkit.checkpoint.files.training_state"]
 
 
 def test_the_check_sees_a_second_state_json_builder(tmp_path):
@@ -293,7 +294,7 @@ def test_the_check_sees_an_engine_over_an_engine_a_hook_twice_and_an_unnamed_one
         "Second._wrap is defined in Second, First"]
 
 
-FOLDER_MODULE = "toolkit.engines.state_folder"
+FOLDER_MODULE = "toolkit.checkpoint.folder"
 
 
 def folder_writers(root: Path) -> list[str]:
@@ -313,12 +314,12 @@ def folder_writers(root: Path) -> list[str]:
 
 def test_every_checkpoint_folder_is_sealed_and_published_in_one_place():
     """The engines' save_state (full and sharded, the accelerate engine's too), the functional API and
-    `toolkit checkpoint consolidate` all build their folder in state_folder.building()."""
+    `toolkit checkpoint consolidate` all build their folder in toolkit/checkpoint/folder.py's building()."""
     assert folder_writers(TOOLKIT) == []
 
 
 def test_the_check_sees_a_folder_sealed_or_published_by_hand(tmp_path):
-    root = _tree(tmp_path, {"__init__.py": "", "engines/__init__.py": "", "engines/state_folder.py": "seal(x, {})\n",
+    root = _tree(tmp_path, {"__init__.py": "", "checkpoint/__init__.py": "", "checkpoint/folder.py": "seal(x, {})\n",
                             "train/__init__.py": "", "train/save.py": (
-                                "def save(temp, final):\n    seal(temp, {})\n    state_folder.publish(temp, final)\n")})
+                                "def save(temp, final):\n    seal(temp, {})\n    folder.publish(temp, final)\n")})
     assert folder_writers(root) == ["toolkit.train.save:2: seal", "toolkit.train.save:3: publish"]

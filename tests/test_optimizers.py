@@ -67,7 +67,7 @@ def test_predict_and_export_take_the_weight_average_when_asked(adamw_run, tmp_pa
     assert exported.keys() == saved.keys() and max_weight_diff(exported, saved) == 0
     from toolkit.errors import UserError
     from toolkit.models.vision import build_image_model
-    from toolkit.train.checkpoint import save_checkpoint
+    from toolkit.checkpoint.functional import save_checkpoint
     from toolkit.use.model import load_trained_model
 
     config = {"model": "toolkit:tiny", "image_size": 32, "classes": ["cat", "dog"]}

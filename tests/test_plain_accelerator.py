@@ -12,7 +12,7 @@ import toolkit
 from recipes import cifar
 from toolkit.data import load_data
 from toolkit.models.nets import build_model
-from toolkit.train.checkpoint import latest_checkpoint
+from toolkit.checkpoint.functional import latest_checkpoint
 from toolkit.train import (TrainingRun, apply_preset, build_optimizer, decay_groups, lr_schedule, plan_batches,
                            run_guard)
 

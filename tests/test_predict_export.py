@@ -50,8 +50,8 @@ def test_predict_on_the_val_folder_reproduces_the_runs_test_accuracy(trained, tm
 def _save_alike(trained_out, root, sharded: bool, prefix: str = ""):
     """The trained weights and config saved again under `root`: sharded by the toolkit's own writer in this one
     process, or in the full format with every key prefixed (the state dict of a wrapped model)."""
-    from toolkit.train.checkpoint import latest_checkpoint, save_checkpoint
-    from toolkit.train.sharded_checkpoint import save_sharded_checkpoint
+    from toolkit.checkpoint.functional import latest_checkpoint, save_checkpoint
+    from toolkit.checkpoint.functional_sharded import save_sharded_checkpoint
 
     source = latest_checkpoint(trained_out / "checkpoints")
     weights = safetensors.torch.load_file(source / "model.safetensors")

@@ -26,7 +26,7 @@ from conftest import (ACCELERATE, CONFIGS, PY, ROOT, SCRIPTS, TOOLKIT, TORCHRUN,
 
 from digits import write_digits_cifar
 from reference import cifar_recipe_by_hand
-from toolkit.train.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
+from toolkit.checkpoint.functional import latest_checkpoint, list_checkpoints, verify_checkpoint
 from toolkit.launch.launcher import free_port
 
 CIFAR = ROOT / "recipes" / "cifar.py"

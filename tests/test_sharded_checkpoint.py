@@ -16,10 +16,10 @@ from conftest import ROOT
 from hostile import CreatesFileOnLoad
 
 from toolkit import cli
-from toolkit.train.checkpoint import latest_checkpoint, load_checkpoint
+from toolkit.checkpoint.functional import latest_checkpoint, load_checkpoint
 from toolkit.errors import UserError
 from toolkit.models.nets import build_model
-from toolkit.train.sharded_checkpoint import save_sharded_checkpoint
+from toolkit.checkpoint.functional_sharded import save_sharded_checkpoint
 
 spec = importlib.util.spec_from_file_location("cifar_recipe", ROOT / "recipes" / "cifar.py")
 cifar = importlib.util.module_from_spec(spec)

@@ -144,7 +144,7 @@ def test_fine_tuning_a_timm_model_pretrained_on_other_digits_beats_training_it_f
     assert offline.returncode == 2 and f"No local pretrained weights for {SMALL}" in offline.stderr, offline.stderr
     assert not any(p.is_file() for p in empty.rglob("*"))
 
-    from toolkit.train.checkpoint import latest_checkpoint
+    from toolkit.checkpoint.functional import latest_checkpoint
 
     weights = latest_checkpoint(tmp_path / "pretrain" / "checkpoints") / "model.safetensors"
     runs = {"fine-tuned": ["--weights", weights], "frozen": ["--weights", weights, "--freeze-backbone"], "scratch": []}

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import toolkit
-from toolkit.engines.state_folder import seal
+from toolkit.checkpoint.folder import seal
 from toolkit.errors import RunFailure, UserError
 from toolkit.train import EvalMetrics, TrainingConfig, TrainingRun, apply_preset, check_config, plan_batches, run_guard
 from toolkit.train.resume import Resume

@@ -180,7 +180,7 @@ def main(argv=None) -> int:
 
             return run_compare(args)
         if args.command == "checkpoint":
-            from toolkit.train.consolidate import run_consolidate
+            from toolkit.checkpoint.consolidate import run_consolidate
 
             return run_consolidate(args)
         if args.command == "predict":

@@ -87,7 +87,7 @@ if accelerator.is_main_process:
 torch.manual_seed(5)
 fresh = net()
 fresh, fresh_optimizer = accelerator.prepare(fresh, sgd(fresh.parameters()))
-toolkit.engines.weights.load_model(fresh, reference.state_dict())
+toolkit.checkpoint.weights.load_model(fresh, reference.state_dict())
 fresh_optimizer.load_state_dict(ref_state)
 xs, ys = X[:global_batch], Y[:global_batch]
 F.cross_entropy(reference(xs), ys).backward()
@@ -129,7 +129,7 @@ from pathlib import Path  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 
-from toolkit.train.sharded_checkpoint import save_sharded_checkpoint  # noqa: E402
+from toolkit.checkpoint.functional_sharded import save_sharded_checkpoint  # noqa: E402
 
 blocked = Path(args.out).with_name("a-file-not-a-folder")
 if accelerator.is_main_process:

@@ -5,7 +5,7 @@ import sys
 import torch
 
 import toolkit
-from toolkit.train.checkpoint import gather_rng_states, load_checkpoint, save_checkpoint
+from toolkit.checkpoint.functional import gather_rng_states, load_checkpoint, save_checkpoint
 
 accelerator = toolkit.build_accelerator("ddp")
 accelerator.set_seed(0)

@@ -176,7 +176,7 @@ class ParityRecorder:
         }
 
     def _save_and_stop(self):
-        from toolkit.engines.weights import save_model
+        from toolkit.checkpoint.weights import save_model
 
         engine = self.engine
         states = [engine.get_state_dict(model) for model in self.models]  # every rank: fsdp gathers its shards

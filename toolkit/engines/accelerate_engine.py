@@ -39,9 +39,9 @@ from toolkit.engines.base import cpu_requested
 from toolkit.engines.group import DEFAULT_TIMEOUT_S, attempt_store, nccl_error_handling, release_ddp_wrappers
 from toolkit.engines.accelerate_state import load_state_verified, save_state_atomically
 from toolkit.engines.prepared import has_gradients
-from toolkit.engines.state_folder import check_checkpoint_format
+from toolkit.checkpoint.folder import check_checkpoint_format
 from toolkit.engines.trackers import tensors_to_numbers
-from toolkit.engines.weights import honour_umask
+from toolkit.checkpoint.weights import honour_umask
 from toolkit.engines.observers import EngineObservers
 from toolkit.engines.tracking import for_accelerate
 from toolkit.errors import UserError

@@ -2,7 +2,7 @@
 files, and the toolkit adds what its folders have everywhere: a hidden build folder renamed into place,
 state.json and manifest.json, and verification before loading. In the sharded format (`checkpoint_format =
 "sharded"`) the toolkit writes and reads the folder from the Accelerator's registries, as the other engines
-do (toolkit/engines/checkpointing.py). The layout is the one in toolkit/engines/state_folder.py.
+do (toolkit/engines/checkpointing.py). The layout is the one in toolkit/checkpoint/folder.py.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 from toolkit.engines.checkpointing import (destination, load_source, load_training_state, make_room,
                                            save_sharded_state, saved_optimizer_steps)
 from toolkit.engines.collectives import all_ranks
-from toolkit.engines.state_files import (CUSTOM_FILE, STATE_NAME, gather_rng_states, load_safe, read_state_json,
+from toolkit.checkpoint.files import (CUSTOM_FILE, STATE_NAME, gather_rng_states, load_safe, read_state_json,
                                          state_json_text, training_state)
-from toolkit.engines.state_folder import (MANIFEST_NAME, building, check_checkpoint_format, checkpoint_format,
+from toolkit.checkpoint.folder import (MANIFEST_NAME, building, check_checkpoint_format, checkpoint_format,
                                           remove_leftovers, verify_folder)
 
 
@@ -78,7 +78,7 @@ def load_state_verified(engine, input_dir, load_kwargs, **load_model_func_kwargs
     if checkpoint_format(path) == "sharded":
         for hook in accelerator._load_model_state_pre_hook.values():
             hook(accelerator._models, str(path))
-        from toolkit.engines.sharded_state import load_shards  # torch.distributed.checkpoint: ~1 s to import
+        from toolkit.checkpoint.sharded import load_shards  # torch.distributed.checkpoint: ~1 s to import
 
         load_shards(path, accelerator._models, accelerator._optimizers)
         accelerator.step = load_training_state(engine, path, accelerator.step)

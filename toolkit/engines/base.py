@@ -25,11 +25,11 @@ from toolkit.engines.accelerate_settings import AccelerateSettingsMixin, release
 from toolkit.engines.checkpointing import CheckpointingMixin, ProjectConfiguration
 from toolkit.engines.observers import EngineObservers
 from toolkit.engines.processes import ProcessesMixin
-from toolkit.engines.state_folder import check_checkpoint_format
+from toolkit.checkpoint.folder import check_checkpoint_format
 from toolkit.engines.tracking import TrackingMixin, check_trackers
 from toolkit.engines.prepared import (PreparedDataLoader, PreparedOptimizer, PreparedScheduler, has_gradients,
                                       map_tensors)
-from toolkit.engines.weights import unwrap_model
+from toolkit.checkpoint.weights import unwrap_model
 
 MIXED_PRECISION = ("no", "fp16", "bf16")
 

@@ -1,10 +1,10 @@
 """`save_state` / `load_state` and the rest of Accelerate's checkpoint calls for the plain-PyTorch engines.
 
-The folder is Accelerate's own (toolkit/engines/state_folder.py): a real `Accelerator.load_state` restores what
+The folder is Accelerate's own (toolkit/checkpoint/folder.py): a real `Accelerator.load_state` restores what
 these engines save in the full format, and they restore what it saves. A full save gathers what every rank
 holds (the full weights and optimizer state under fsdp, every rank's RNG streams), then the main process writes
 the folder and publishes it atomically; a sharded save (`checkpoint_format = "sharded"`) has every rank write
-its own shards instead (toolkit/engines/sharded_state.py). Either way the other ranks learn whether it worked,
+its own shards instead (toolkit/checkpoint/sharded.py). Either way the other ranks learn whether it worked,
 so a failed save stops every rank.
 """
 
@@ -19,13 +19,13 @@ import torch
 from toolkit.config import listing
 from toolkit.errors import UserError
 from toolkit.engines.collectives import all_ranks
-from toolkit.engines.full_state import load_full_weights, write_full_weights
-from toolkit.engines.state_files import (CUSTOM_FILE, SCALER_NAME, custom_file, load_safe, read_state_json,
+from toolkit.checkpoint.full import load_full_weights, write_full_weights
+from toolkit.checkpoint.files import (CUSTOM_FILE, SCALER_NAME, custom_file, load_safe, read_state_json,
                                          restore_rng, rng_file, rng_state, state_file, state_json_text,
                                          training_state, write_training_state)
-from toolkit.engines.state_folder import (MANIFEST_NAME, building, check_checkpoint_format, checkpoint_format,
+from toolkit.checkpoint.folder import (MANIFEST_NAME, building, check_checkpoint_format, checkpoint_format,
                                           remove_folder, verify_folder)
-from toolkit.engines.weights import one_name_per_storage, save_safetensors
+from toolkit.checkpoint.weights import one_name_per_storage, save_safetensors
 
 # What save_state may replace: the files a checkpoint folder holds (sharded: torch.distributed.checkpoint's).
 _CHECKPOINT_FILE = re.compile(r"(model|optimizer|scheduler|sampler|dl_state_dict)(_\d+)?\.(safetensors|bin)|"
@@ -116,7 +116,7 @@ class CheckpointingMixin:
         for hook in self._load_state_pre_hooks.values():
             hook(self._models, str(path))
         if checkpoint_format(path) == "sharded":
-            from toolkit.engines.sharded_state import load_shards  # torch.distributed.checkpoint: ~1 s to import
+            from toolkit.checkpoint.sharded import load_shards  # torch.distributed.checkpoint: ~1 s to import
 
             load_shards(path, self._models, self._optimizers)
         else:
@@ -175,7 +175,7 @@ def save_sharded_state(engine, final: Path, rng_states, hooks, position):
     `_custom_objects`: an Accelerator's registries too). Each rank writes its shards of the models and
     optimizers; the main process the rest, `rng_states` (every rank's, in order) and `position()` as state.json.
     `hooks` are the save_state pre-hooks, called with the shards' state dicts."""
-    from toolkit.engines.sharded_state import local_state_dicts, save_sharded  # imported when first used: ~1 s
+    from toolkit.checkpoint.sharded import local_state_dicts, save_sharded  # imported when first used: ~1 s
 
     model_states, optimizer_states = local_state_dicts(engine._models, engine._optimizers)
     for hook in hooks:

@@ -18,7 +18,7 @@ class AutocastModule(torch.nn.Module):
     replica thread enters autocast itself: `parallel_apply` restarts autocast in its threads without a dtype,
     which on CUDA means fp16 (and no GradScaler) even when bf16 was asked for."""
 
-    is_toolkit_wrapper = True  # toolkit.engines.weights.unwrap_model looks through it
+    is_toolkit_wrapper = True  # toolkit.checkpoint.weights.unwrap_model looks through it
 
     def __init__(self, module, device_type, dtype):
         super().__init__()

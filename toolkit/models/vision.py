@@ -129,7 +129,7 @@ def start_from_weights(model: torch.nn.Module, path: str, say, origin: str | Non
     [toolkit] --weights .../tiny.pth: new classifier head 5 (10 -> 37 classes), the rest loaded
     """
     origin = origin or f"--weights {path}"  # what `say` calls the file
-    from toolkit.engines.weights import read_weights, strip_wrapper_prefixes, load_model
+    from toolkit.checkpoint.weights import read_weights, strip_wrapper_prefixes, load_model
 
     expected = model.state_dict()
     weights = strip_wrapper_prefixes(read_weights(path), expected)
@@ -159,7 +159,7 @@ def head_parameter_names(model: torch.nn.Module) -> set[str]:
     >>> sorted(head_parameter_names(build_image_model("toolkit:tiny", 10, 32)))
     ['5.bias', '5.weight']
     """
-    from toolkit.engines.weights import unwrap_model
+    from toolkit.checkpoint.weights import unwrap_model
 
     bare = unwrap_model(model)
     if hasattr(bare, "get_classifier"):  # timm: a module, or a tuple of them (a distilled ViT's two heads)

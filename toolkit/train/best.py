@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from toolkit.train.checkpoint import checkpoint_folder, mark_best
+from toolkit.checkpoint.functional import checkpoint_folder, mark_best
 
 # The metric -> (its key in EvalMetrics.compute()'s dict, whether higher is better).
 BEST_METRICS = {"test_accuracy": ("accuracy", True), "test_loss": ("loss", False)}

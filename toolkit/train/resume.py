@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from toolkit.errors import UserError
-from toolkit.train.checkpoint import load_checkpoint
+from toolkit.checkpoint.functional import load_checkpoint
 
 ACTIONS = ("start", "load_state", "loaded", "finished")
 
@@ -44,7 +44,7 @@ def load_weights_and_schedule(path: Path, accelerator, model, optimizer, schedul
         load_checkpoint(path, model=accelerator.unwrap_model(model), optimizer=optimizer,
                         scaler=getattr(accelerator, "scaler", None))
         if scheduler is not None and schedule_file:
-            from toolkit.engines.state_files import load_safe
+            from toolkit.checkpoint.files import load_safe
 
             scheduler.load_state_dict(load_safe(path / schedule_file))
     except ValueError as error:  # torch's optimizer/scheduler refusal: another optimizer's state

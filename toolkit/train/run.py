@@ -30,7 +30,7 @@ from toolkit.errors import UserError, install_excepthook
 from toolkit.launch.env import read_launch_env
 from toolkit.train.attempts import agreed_restart_count, overall_rate, world_change_line, world_changes
 from toolkit.train.best import BestCheckpoint
-from toolkit.train.checkpoint import (check_run_state, checkpoint_folder, finish_checkpoint, latest_checkpoint,
+from toolkit.checkpoint.functional import (check_run_state, checkpoint_folder, finish_checkpoint, latest_checkpoint,
                                       read_state, seal_if_unsealed)
 from toolkit.train.config_changes import config_changes
 from toolkit.train.confusion import ConfusionPicture

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from toolkit.engines.state_folder import STEP_FOLDER
-from toolkit.engines.weights import honour_umask, load_model
+from toolkit.checkpoint.folder import STEP_FOLDER
+from toolkit.checkpoint.weights import honour_umask, load_model
 from toolkit.errors import RunFailure, UserError
 from toolkit.use.model import TrainedModel, load_trained_model
 

@@ -20,10 +20,10 @@ import torch
 
 from toolkit.data.folder import EVAL_RESIZE, IMAGENET_MEAN, IMAGENET_STD, image_transform
 from toolkit.data.memory import CIFAR_MEAN, CIFAR_STD, normalize
-from toolkit.engines.sharded_state import read_whole
-from toolkit.engines.state_files import read_state_json
-from toolkit.engines.state_folder import checkpoint_format, resolve_checkpoint
-from toolkit.engines.weights import load_model, read_weights, strip_wrapper_prefixes
+from toolkit.checkpoint.sharded import read_whole
+from toolkit.checkpoint.files import read_state_json
+from toolkit.checkpoint.folder import checkpoint_format, resolve_checkpoint
+from toolkit.checkpoint.weights import load_model, read_weights, strip_wrapper_prefixes
 from toolkit.errors import UserError
 from toolkit.models.nets import MODELS, build_model
 from toolkit.models.vision import build_image_model
@@ -71,7 +71,7 @@ def load_trained_model(path, device="cpu", average: bool = False) -> TrainedMode
     and in eval mode on `device`; with `average`, its parameters are the run's weight average (--ema-decay).
 
     >>> import tempfile
-    >>> from toolkit.train.checkpoint import save_checkpoint
+    >>> from toolkit.checkpoint.functional import save_checkpoint
     >>> root = tempfile.TemporaryDirectory()
     >>> config = {"model": "toolkit:tiny", "image_size": 32, "classes": ["cat", "dog"]}
     >>> _ = save_checkpoint(root.name, 7, model=build_image_model("toolkit:tiny", 2, 32), state={"config": config})
@@ -107,7 +107,7 @@ def load_trained_model(path, device="cpu", average: bool = False) -> TrainedMode
 def weight_average(folder: Path) -> dict:
     """The weight average a run with --ema-decay saved in `folder` (its registered WeightEMA: parameter name ->
     tensor); one sentence when the run kept none."""
-    from toolkit.engines.state_files import load_safe
+    from toolkit.checkpoint.files import load_safe
 
     for file in sorted(folder.glob("custom_checkpoint_*.pkl")):
         state = load_safe(file)

@@ -8,11 +8,11 @@ the names a training loop needs around `accelerator.save_state` / `load_state`:
     if accelerator.is_main_process:
         finish_checkpoint(root, checkpoint_folder(root, step), keep=3)     # latest pointer, pruning
 
-A checkpoint is the folder every engine's save_state writes (toolkit/engines/state_folder.py): Accelerate's
+A checkpoint is the folder every engine's save_state writes (toolkit/checkpoint/folder.py): Accelerate's
 layout plus state.json and manifest.json, published atomically, named `root/step-00000123/` with `root/latest`
 naming the newest (and, under --keep-best, `root/best` and best.json the best evaluated: mark_best, spared by the
 pruning). Loading never unpickles code. The engine-layer names are listed in `__all__` and live in
-toolkit/engines/state_folder.py and state_files.py; sharded saves: toolkit/train/sharded_checkpoint.py.
+toolkit/checkpoint/folder.py and files.py; sharded saves: toolkit/checkpoint/functional_sharded.py.
 """
 
 import sys
@@ -20,15 +20,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from toolkit.engines import state_files
+from toolkit.checkpoint import files as state_files
 from toolkit.errors import UserError
-from toolkit.engines.full_state import load_full_weights, write_full_weights
-from toolkit.engines.state_files import (SCALER_NAME, gather_rng_states, load_safe, read_state_json, rng_state,
+from toolkit.checkpoint.full import load_full_weights, write_full_weights
+from toolkit.checkpoint.files import (SCALER_NAME, gather_rng_states, load_safe, read_state_json, rng_state,
                                          state_file, state_json_text, write_training_state)
-from toolkit.engines.state_folder import (CHECKPOINT_FORMATS, MANIFEST_NAME, best_checkpoint, building, check_keep, checkpoint_folder,
+from toolkit.checkpoint.folder import (CHECKPOINT_FORMATS, MANIFEST_NAME, best_checkpoint, building, check_keep, checkpoint_folder,
                                           checkpoint_format, finish_checkpoint, latest_checkpoint, list_checkpoints,
                                           mark_best, read_state, resolve_checkpoint, seal_if_unsealed)
-from toolkit.engines.state_folder import verify_folder as verify_checkpoint
+from toolkit.checkpoint.folder import verify_folder as verify_checkpoint
 
 __all__ = ["CHECKPOINT_FORMATS", "best_checkpoint", "checkpoint_folder", "finish_checkpoint", "gather_rng_states",
            "latest_checkpoint", "list_checkpoints", "load_checkpoint", "mark_best", "read_state", "save_checkpoint",
@@ -65,7 +65,7 @@ def load_checkpoint(path, *, model=None, optimizer=None, scheduler=None, scaler=
     path = resolve_checkpoint(path)
     models, optimizers = [m for m in (model,) if m is not None], [o for o in (optimizer,) if o is not None]
     if checkpoint_format(path) == "sharded":
-        from toolkit.engines.sharded_state import load_shards  # torch.distributed.checkpoint: ~1 s to import
+        from toolkit.checkpoint.sharded import load_shards  # torch.distributed.checkpoint: ~1 s to import
 
         load_shards(path, models, optimizers)
     else:

@@ -1,8 +1,8 @@
 """The full checkpoint format: each model's whole weights in `model.safetensors` (`model_<i>.safetensors` for
 more models; the bare model's names), each optimizer's whole state in `optimizer.bin` (torch's layout, keyed by
 parameter index), as Accelerate's save_state writes them, so a real Accelerator and every engine read them at
-any world size. The rest of the folder: toolkit/engines/state_files.py; the sharded format beside this one:
-toolkit/engines/sharded_state.py.
+any world size. The rest of the folder: toolkit/checkpoint/files.py; the sharded format beside this one:
+toolkit/checkpoint/sharded.py.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from toolkit.engines.state_files import indexed, load_safe, save_checked, state_file
-from toolkit.engines.weights import load_model, save_model
+from toolkit.checkpoint.files import indexed, load_safe, save_checked, state_file
+from toolkit.checkpoint.weights import load_model, save_model
 
 
 def write_full_weights(folder: Path, weights, optimizer_states=(), safe_serialization: bool = True):

@@ -1,11 +1,11 @@
 """Sharded checkpoints as a function, for code that holds no engine: every rank writes its own shards of the
 model and optimizer (torch.distributed.checkpoint), rank 0 the rest, into one `step-N` folder published as
-atomically as a full one (the format: toolkit/engines/sharded_state.py).
+atomically as a full one (the format: toolkit/checkpoint/sharded.py).
 
     save_sharded_checkpoint("runs/x/checkpoints", 12, model=model, optimizer=opt, scheduler=sched,
                             state={"epoch": 0}, keep=3)                               # on every rank
     load_checkpoint("runs/x/checkpoints/step-00000012", model=model, optimizer=opt)   # any world size
-    consolidate("runs/x/checkpoints/step-00000012", "runs/x/full")    # toolkit/train/consolidate.py
+    consolidate("runs/x/checkpoints/step-00000012", "runs/x/full")    # toolkit/checkpoint/consolidate.py
 
 An engine saves the same folder with `checkpoint_format="sharded"` and `accelerator.save_state(folder)`.
 """
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from toolkit.engines.sharded_state import local_state_dicts, read_index, save_sharded
-from toolkit.engines.state_files import rng_state, state_json_text, write_training_state
-from toolkit.engines.state_folder import check_keep, checkpoint_folder, finish_checkpoint
+from toolkit.checkpoint.sharded import local_state_dicts, read_index, save_sharded
+from toolkit.checkpoint.files import rng_state, state_json_text, write_training_state
+from toolkit.checkpoint.folder import check_keep, checkpoint_folder, finish_checkpoint
 
 __all__ = ["read_index", "save_sharded_checkpoint"]
 

@@ -1,4 +1,4 @@
-"""The files of a checkpoint folder (toolkit/engines/state_folder.py) besides the weights: their names, the
+"""The files of a checkpoint folder (toolkit/checkpoint/folder.py) besides the weights: their names, the
 training state every format holds (schedulers, the GradScaler, each rank's RNG streams, registered objects,
 state.json), and reading them without unpickling code: only tensors, plain containers and numpy's RNG arrays
 (`weights_only=True`), so a crafted file cannot run anything.
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from toolkit.errors import UserError
-from toolkit.engines.weights import refusal_reason
+from toolkit.checkpoint.weights import refusal_reason
 
 try:
     import numpy as np

@@ -1,5 +1,5 @@
 """The one checkpoint folder, read and written by every engine, by a real `accelerate.Accelerator` and by the
-functional API in toolkit/train/checkpoint.py.
+functional API in toolkit/checkpoint/functional.py.
 
 Accelerate's `save_state` layout: `model.safetensors` (`model_1.safetensors`, ... for more models),
 `optimizer.bin`, `scheduler.bin`, `scaler.pt`, `random_states_<rank>.pkl` (one per rank, Accelerate's
@@ -7,13 +7,13 @@ dict of python/numpy/torch/cuda RNG states and its `step`), `custom_checkpoint_<
 The toolkit adds, without changing those files: `state.json` (where training stands: step, epoch, the data
 position, the world that saved it), and `manifest.json`, written last (size and sha256 of every file, and the
 checkpoint format: "full", or "sharded" with torch.distributed.checkpoint's files in place of the model and
-optimizer files, toolkit/engines/sharded_state.py). A folder is built in a hidden `.tmp-<name>-<pid>` sibling
+optimizer files, toolkit/checkpoint/sharded.py). A folder is built in a hidden `.tmp-<name>-<pid>` sibling
 and renamed into place, so a killed writer never leaves a torn folder under a checkpoint's name.
 
 Under a checkpoints root the folders are `step-<8 digits>` (checkpoint_folder); `root/latest` names the newest
 and finish_checkpoint prunes the oldest and removes what dead writers left, sparing the one `root/best` names
 (mark_best, with best.json: --keep-best); latest_checkpoint skips a damaged folder with a one-line warning.
-What the files hold, and how they are read safely: toolkit/engines/state_files.py.
+What the files hold, and how they are read safely: toolkit/checkpoint/files.py.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import sys
 from pathlib import Path
 
 from toolkit.errors import UserError
-from toolkit.engines.state_files import RNG_FILE, read_state_json
-from toolkit.engines.weights import honour_umask
+from toolkit.checkpoint.files import RNG_FILE, read_state_json
+from toolkit.checkpoint.weights import honour_umask
 
 MANIFEST_NAME = "manifest.json"
 CHECKPOINT_FORMATS = ("full", "sharded")

@@ -2,10 +2,10 @@
 one rank: every rank writes its own shards of the models and optimizers, and a run at another world size (or
 under another engine) reads back the pieces it holds.
 
-The folder is toolkit/engines/state_folder.py's, with DCP's files in place of model.safetensors and
+The folder is toolkit/checkpoint/folder.py's, with DCP's files in place of model.safetensors and
 optimizer.bin: `.metadata` (the index of every tensor piece) and `__R_0.distcp` (rank R's pieces), under the
 keys `model` (`model_1`, ... for more models) and `optim` (`optim_1`, ...); next to them the rest of the
-training state (toolkit/engines/state_files.py). The manifest covers the shards too and says
+training state (toolkit/checkpoint/files.py). The manifest covers the shards too and says
 "checkpoint_format": "sharded" and the world size. All ranks write into one hidden build folder that rank 0
 renames into place once every shard is written, so a sharded save is as atomic as a full one; that folder must
 be on storage all ranks see.
@@ -36,8 +36,8 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from toolkit.errors import PeerFailure, UserError
-from toolkit.engines.state_folder import building, start_folder
-from toolkit.engines.weights import mismatch_sentence, refusal_reason, unwrap_model
+from toolkit.checkpoint.folder import building, start_folder
+from toolkit.checkpoint.weights import mismatch_sentence, refusal_reason, unwrap_model
 
 INDEX = ".metadata"  # DCP's name for the index of a checkpoint
 _INDEX_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
@@ -96,7 +96,7 @@ def save_sharded(final: Path, model_states, optimizer_states, finish, about: dic
     """Every rank: rank 0 makes the hidden build folder beside `final` and tells the others its name, every rank
     writes its shards of `model_states` and `optimizer_states` (local_state_dicts) into it, then rank 0 checks
     that every shard arrived, calls `finish(folder)` to write the rest, and seals the folder with `about` (rank
-    0's) and publishes it as `final` (state_folder.building). When rank 0 cannot make the folder, the others stop
+    0's) and publishes it as `final` (folder.building). When rank 0 cannot make the folder, the others stop
     with a quiet PeerFailure."""
     main = not _distributed() or dist.get_rank() == 0
     temp = _shared_build_folder(final, main)

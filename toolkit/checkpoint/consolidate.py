@@ -9,11 +9,11 @@ import shutil
 from pathlib import Path
 
 from toolkit.errors import UserError
-from toolkit.engines.full_state import write_full_weights
-from toolkit.engines.sharded_state import INDEX, read_whole
-from toolkit.engines.state_folder import (MANIFEST_NAME, STEP_FOLDER, building, checkpoint_format, finish_checkpoint,
+from toolkit.checkpoint.full import write_full_weights
+from toolkit.checkpoint.sharded import INDEX, read_whole
+from toolkit.checkpoint.folder import (MANIFEST_NAME, STEP_FOLDER, building, checkpoint_format, finish_checkpoint,
                                           resolve_checkpoint)
-from toolkit.engines.weights import save_model
+from toolkit.checkpoint.weights import save_model
 
 
 def consolidate(path, out) -> Path:
