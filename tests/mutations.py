@@ -167,14 +167,16 @@ def _accumulation_from_checkpoint(load_state_dict, run):
     return keeps_the_old_worlds
 
 
-def _schedule_restarts_on_world_change(load_training_state, checkpointing):
-    def restarted(engine, path, step):  # another world: the lr schedule's count starts again
-        saved = load_training_state(engine, path, step)
-        if checkpointing.read_state_json(path).get("world_size") != engine.num_processes:
-            for scheduler in engine._custom_objects:
+def _schedule_restarts_on_world_change(read_rest, state_module):
+    def restarted(path, registries, rank, step):  # another world: the lr schedule's count starts again
+        import torch.distributed as dist
+
+        step, state = read_rest(path, registries, rank, step)
+        if state.get("world_size") != (dist.get_world_size() if dist.is_initialized() else 1):
+            for scheduler in registries.custom_objects:
                 if hasattr(scheduler, "last_epoch"):
                     scheduler.last_epoch = 0
-        return saved
+        return step, state
 
     return restarted
 
@@ -195,13 +197,10 @@ def _augment_from_global_rng(sample_rng, data):
     return lambda seed, epoch, index: contextlib.nullcontext()  # the transforms draw from torch's RNG
 
 
-def _save_state_skips_scheduler(write, checkpointing):
-    def without_schedulers(self, *args):
-        kept, self._schedulers = self._schedulers, []
-        try:
-            write(self, *args)
-        finally:
-            self._schedulers = kept
+def _save_state_skips_scheduler(write_rest, state_module):
+    def without_schedulers(temp, state_text, registries, rng_states):
+        write_rest(temp, state_text, state_module.Registries([], registries.scaler, registries.custom_objects),
+                   rng_states)
 
     return without_schedulers
 
@@ -321,7 +320,7 @@ MUTATIONS = {
         ("tests/test_train_parts.py::test_the_position_maps_through_samples_to_another_world_size",),
         "elastic: a resume on another world keeps the old accumulation (the global batch changes)"),
     "schedule-restarts-on-world-change": Mutation(
-        "toolkit.engines.checkpointing", "load_training_state", _schedule_restarts_on_world_change,
+        "toolkit.checkpoint.state", "read_rest", _schedule_restarts_on_world_change,
         ("tests/test_checkpoint.py::test_a_schedule_saved_by_two_processes_goes_on_from_its_count_on_one",),
         "elastic: the lr schedule's step count starts again after a world change"),
     "checkpoint-drops-optimizer": Mutation(
@@ -342,7 +341,7 @@ MUTATIONS = {
         (f"{FLAGS}::test_only_the_main_process_writes",),
         "one writer: every rank appends to metrics.jsonl and steps.csv"),
     "save-state-skips-scheduler": Mutation(
-        "toolkit.engines.checkpointing", "CheckpointingMixin._write_state", _save_state_skips_scheduler,
+        "toolkit.checkpoint.state", "_write_rest", _save_state_skips_scheduler,
         (f"{API}::test_save_state_restores_everything_and_load_state_verifies[single]",),
         "resume: save_state leaves the learning-rate schedule out of the folder"),
     "skip-first-batches-one-too-few": Mutation(

@@ -323,3 +323,38 @@ def test_the_check_sees_a_folder_sealed_or_published_by_hand(tmp_path):
                             "train/__init__.py": "", "train/save.py": (
                                 "def save(temp, final):\n    seal(temp, {})\n    folder.publish(temp, final)\n")})
     assert folder_writers(root) == ["toolkit.train.save:2: seal", "toolkit.train.save:3: publish"]
+
+
+# What creates, publishes, prunes or reads a checkpoint folder's files. Outside toolkit/checkpoint/ code calls
+# the package's own entry points (write_full, read_rest, load_checkpoint, model_weights, ...) instead.
+FOLDER_IO = {"building", "start_folder", "seal", "publish", "remove_folder", "remove_leftovers", "prune_checkpoints",
+             "make_room", "write_full_weights", "save_sharded", "write_training_state", "load_full_weights",
+             "load_shards", "read_whole", "read_index", "restore_rng", "load_safe", "verify_folder"}
+
+
+def checkpoint_io_outside(root: Path) -> list[str]:
+    """Calls of FOLDER_IO from modules outside the checkpoint package, as `module:line: call`."""
+    found = []
+    for module, path in modules(root).items():
+        if module == "toolkit.checkpoint" or module.startswith("toolkit.checkpoint."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                if name in FOLDER_IO:
+                    found.append(f"{module}:{node.lineno}: {name}")
+    return sorted(found)
+
+
+def test_only_the_checkpoint_package_creates_publishes_prunes_or_reads_a_checkpoint_folder():
+    assert checkpoint_io_outside(TOOLKIT) == []
+
+
+def test_the_check_sees_folder_io_outside_the_checkpoint_package(tmp_path):
+    root = _tree(tmp_path, {"__init__.py": "", "checkpoint/__init__.py": "", "checkpoint/folder.py": "seal(x, {})\n",
+                            "checkpoint/state.py": "load_safe(p)\n", "engines/__init__.py": "", "engines/save.py": (
+                                "def save(final, temp):\n    with folder.building(final, {}) as temp:\n"
+                                "        write_full_weights(temp, [])\n"),
+                            "use/__init__.py": "", "use/read.py": "def read(p):\n    return [load_safe(p), restore_rng(p, 0)]\n"})
+    assert checkpoint_io_outside(root) == ["toolkit.engines.save:2: building", "toolkit.engines.save:3: write_full_weights",
+                                           "toolkit.use.read:2: load_safe", "toolkit.use.read:2: restore_rng"]

@@ -12,7 +12,7 @@ from toolkit.errors import UserError
 from toolkit.checkpoint.full import write_full_weights
 from toolkit.checkpoint.sharded import INDEX, read_whole
 from toolkit.checkpoint.folder import (MANIFEST_NAME, STEP_FOLDER, building, checkpoint_format, finish_checkpoint,
-                                          resolve_checkpoint)
+                                       resolve_checkpoint)
 from toolkit.checkpoint.weights import save_model
 
 

@@ -24,10 +24,10 @@ from toolkit.checkpoint import files as state_files
 from toolkit.errors import UserError
 from toolkit.checkpoint.full import load_full_weights, write_full_weights
 from toolkit.checkpoint.files import (SCALER_NAME, gather_rng_states, load_safe, read_state_json, rng_state,
-                                         state_file, state_json_text, write_training_state)
+                                      state_file, state_json_text, write_training_state)
 from toolkit.checkpoint.folder import (CHECKPOINT_FORMATS, MANIFEST_NAME, best_checkpoint, building, check_keep, checkpoint_folder,
-                                          checkpoint_format, finish_checkpoint, latest_checkpoint, list_checkpoints,
-                                          mark_best, read_state, resolve_checkpoint, seal_if_unsealed)
+                                       checkpoint_format, finish_checkpoint, latest_checkpoint, list_checkpoints,
+                                       mark_best, read_state, resolve_checkpoint, seal_if_unsealed)
 from toolkit.checkpoint.folder import verify_folder as verify_checkpoint
 
 __all__ = ["CHECKPOINT_FORMATS", "best_checkpoint", "checkpoint_folder", "finish_checkpoint", "gather_rng_states",

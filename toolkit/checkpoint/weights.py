@@ -226,3 +226,26 @@ def refusal_reason(error):
     # torch's message is a page of advice; the line naming the refused global is the news.
     match = re.search(r"WeightsUnpickler error: (.*?)\.(?:\s|$)", str(error))
     return match[1] if match else "unsupported pickle content"
+
+
+def write_weights_folder(state_dict, directory: Path, max_shard_size, safe_serialization: bool):
+    """Accelerate's save_model folder: `state_dict` as model.safetensors (pytorch_model.bin without
+    safe_serialization), or as shards with their index above `max_shard_size`."""
+    import json
+
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    directory.mkdir(parents=True, exist_ok=True)
+    state_dict = one_name_per_storage(state_dict)  # tied weights once, contiguous, on the CPU
+    pattern = "model{suffix}.safetensors" if safe_serialization else "pytorch_model{suffix}.bin"
+    split = split_torch_state_dict_into_shards(state_dict, filename_pattern=pattern, max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        shard = {name: state_dict[name] for name in names}
+        if safe_serialization:
+            save_safetensors(shard, directory / filename)
+        else:
+            torch.save(shard, directory / filename)
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        name = "model.safetensors.index.json" if safe_serialization else "pytorch_model.bin.index.json"
+        (directory / name).write_text(json.dumps(index, indent=2) + "\n")

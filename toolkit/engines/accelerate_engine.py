@@ -40,6 +40,7 @@ from toolkit.engines.group import DEFAULT_TIMEOUT_S, attempt_store, nccl_error_h
 from toolkit.engines.accelerate_state import load_state_verified, save_state_atomically
 from toolkit.engines.prepared import has_gradients
 from toolkit.checkpoint.folder import check_checkpoint_format
+from toolkit.checkpoint.state import Registries
 from toolkit.engines.trackers import tensors_to_numbers
 from toolkit.checkpoint.weights import honour_umask
 from toolkit.engines.observers import EngineObservers
@@ -175,6 +176,11 @@ class AccelerateEngine:
     def save_state(self, output_dir=None, safe_serialization: bool = True, **save_model_func_kwargs):
         """Accelerate's own save_state, published atomically with the toolkit's state.json and manifest.json."""
         return save_state_atomically(self, output_dir, safe_serialization, **save_model_func_kwargs)
+
+    def _registries(self) -> Registries:
+        """What the Accelerator's save_state holds besides models and optimizers, for the sharded format."""
+        accelerator = self.accelerator
+        return Registries(accelerator._schedulers, accelerator.scaler, accelerator._custom_objects)
 
     def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True):
         """Accelerate's own save_model, its safetensors files then given the umask's mode (honour_umask)."""

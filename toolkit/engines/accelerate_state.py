@@ -8,17 +8,16 @@ do (toolkit/engines/checkpointing.py). The layout is the one in toolkit/checkpoi
 from __future__ import annotations
 
 import os
-import shutil
 
 import torch
 
-from toolkit.engines.checkpointing import (destination, load_source, load_training_state, make_room,
-                                           save_sharded_state, saved_optimizer_steps)
+from toolkit.engines.checkpointing import save_sharded_state
 from toolkit.engines.collectives import all_ranks
-from toolkit.checkpoint.files import (CUSTOM_FILE, STATE_NAME, gather_rng_states, load_safe, read_state_json,
-                                         state_json_text, training_state)
-from toolkit.checkpoint.folder import (MANIFEST_NAME, building, check_checkpoint_format, checkpoint_format,
-                                          remove_leftovers, verify_folder)
+from toolkit.checkpoint.files import gather_rng_states, read_state_json, training_state
+from toolkit.checkpoint.folder import check_checkpoint_format
+from toolkit.checkpoint.state import (Registries, begin_beside, build_folder, check_registered_files, destination,
+                                      finish_beside, is_sharded, open_for_load, read_rest, read_weights,
+                                      saved_optimizer_steps)
 
 
 def save_state_atomically(engine, output_dir, safe_serialization, **save_model_func_kwargs) -> str:
@@ -31,17 +30,12 @@ def save_state_atomically(engine, output_dir, safe_serialization, **save_model_f
         config.iteration += 1
         return str(final)
     # One build folder for every rank (each writes its own random_states_<rank>.pkl there): rank 0's pid names it.
-    pid = int(engine.gather(torch.tensor([os.getpid()], device=engine.device))[0])
-    temp = final.with_name(f".tmp-{final.name}-{pid}")
+    temp = build_folder(final, int(engine.gather(torch.tensor([os.getpid()], device=engine.device))[0]))
     state, state_text = None, None
     with all_ranks(engine):
         if engine.is_main_process:
-            make_room(final, config)
             state = _position(engine)
-            state_text = state_json_text(state)  # fails before gigabytes are written
-            final.parent.mkdir(parents=True, exist_ok=True)
-            remove_leftovers(final.parent)  # build folders of writers that died, as start_folder does
-            shutil.rmtree(temp, ignore_errors=True)
+            state_text = begin_beside(final, config, state, temp)
     automatic, config.automatic_checkpoint_naming = config.automatic_checkpoint_naming, False
     try:
         accelerator.save_state(str(temp), safe_serialization=safe_serialization, **save_model_func_kwargs)
@@ -50,9 +44,8 @@ def save_state_atomically(engine, output_dir, safe_serialization, **save_model_f
     accelerator.wait_for_everyone()
     with all_ranks(engine):
         if engine.is_main_process:
-            about = {"checkpoint_format": "full", "step": state["step"], "world_size": accelerator.num_processes}
-            with building(final, about, temp=temp):
-                (temp / STATE_NAME).write_text(state_text)
+            finish_beside(final, temp, state_text, {"checkpoint_format": "full", "step": state["step"],
+                                                    "world_size": accelerator.num_processes})
     return str(final)
 
 
@@ -68,23 +61,17 @@ def _position(engine) -> dict:
 
 def load_state_verified(engine, input_dir, load_kwargs, **load_model_func_kwargs):
     accelerator = engine.accelerator
-    path = load_source(accelerator.project_configuration, input_dir)
-    if (path / MANIFEST_NAME).is_file():
-        verify_folder(path)
-    for name in (p.name for p in path.iterdir()):  # Accelerate loads these with weights_only=False
-        if CUSTOM_FILE.fullmatch(name):
-            load_safe(path / name)
+    path = open_for_load(accelerator.project_configuration, input_dir)
+    check_registered_files(path)  # Accelerate loads these with weights_only=False
     result = None
-    if checkpoint_format(path) == "sharded":
+    if is_sharded(path):
         for hook in accelerator._load_model_state_pre_hook.values():
             hook(accelerator._models, str(path))
-        from toolkit.checkpoint.sharded import load_shards  # torch.distributed.checkpoint: ~1 s to import
-
-        load_shards(path, accelerator._models, accelerator._optimizers)
-        accelerator.step = load_training_state(engine, path, accelerator.step)
+        read_weights(path, accelerator._models, accelerator._optimizers)
+        accelerator.step, state = read_rest(path, engine._registries(), accelerator.process_index, accelerator.step)
     else:
         result = accelerator.load_state(str(path), load_kwargs=load_kwargs, **load_model_func_kwargs)
-    state = read_state_json(path)
+        state = read_state_json(path)
     engine.optimizer_steps = saved_optimizer_steps(state, engine.optimizer_steps)
     for loader, position in zip(accelerator._dataloaders, state.get("dataloaders", [])):
         if hasattr(loader, "set_epoch"):

@@ -10,6 +10,7 @@ import torch
 
 from toolkit.errors import UserError
 from toolkit.checkpoint.functional import load_checkpoint
+from toolkit.checkpoint.state import saved_schedule
 
 ACTIONS = ("start", "load_state", "loaded", "finished")
 
@@ -39,18 +40,16 @@ def load_weights_and_schedule(path: Path, accelerator, model, optimizer, schedul
     """Load `path`'s model weights and optimizer state into the prepared `model` and `optimizer`, and its
     schedule into `scheduler` when both exist; returns whether a schedule was loaded. Another optimizer's or
     schedule's state is one sentence."""
-    schedule_file = next((f for f in ("scheduler.bin", "custom_checkpoint_0.pkl") if (path / f).is_file()), None)
     try:
         load_checkpoint(path, model=accelerator.unwrap_model(model), optimizer=optimizer,
                         scaler=getattr(accelerator, "scaler", None))
-        if scheduler is not None and schedule_file:
-            from toolkit.checkpoint.files import load_safe
-
-            scheduler.load_state_dict(load_safe(path / schedule_file))
+        schedule = saved_schedule(path)
+        if scheduler is not None and schedule is not None:
+            scheduler.load_state_dict(schedule)
     except ValueError as error:  # torch's optimizer/scheduler refusal: another optimizer's state
         raise UserError(f"{path} holds an optimizer or scheduler state this recipe's cannot take ({error}); "
                         f"resume from a checkpoint of this recipe or start in a fresh --output-dir.") from None
-    return scheduler is not None and schedule_file is not None
+    return scheduler is not None and schedule is not None
 
 
 def schedule_among(checkpointed) -> torch.optim.lr_scheduler.LRScheduler | None:

@@ -31,7 +31,8 @@ from toolkit.launch.env import read_launch_env
 from toolkit.train.attempts import agreed_restart_count, overall_rate, world_change_line, world_changes
 from toolkit.train.best import BestCheckpoint
 from toolkit.checkpoint.functional import (check_run_state, checkpoint_folder, finish_checkpoint, latest_checkpoint,
-                                      read_state, seal_if_unsealed)
+                                           read_state, seal_if_unsealed)
+from toolkit.checkpoint.state import holds_registered
 from toolkit.train.config_changes import config_changes
 from toolkit.train.confusion import ConfusionPicture
 from toolkit.train.cost import (StepCost, mfu, peak_flops, peak_memory_bytes, peak_range,
@@ -305,7 +306,7 @@ class TrainingRun:
             if self._finished(saved, path):
                 return Resume("finished", path)
         self._resumed_from = path
-        if (path / f"custom_checkpoint_{len(checkpointed) - 1}.pkl").is_file():
+        if holds_registered(path, len(checkpointed)):
             return Resume("load_state", path)
         scheduler = schedule_among(checkpointed)
         scheduled = load_weights_and_schedule(path, self.accelerator, model, optimizer, scheduler)

@@ -20,10 +20,10 @@ import torch
 
 from toolkit.data.folder import EVAL_RESIZE, IMAGENET_MEAN, IMAGENET_STD, image_transform
 from toolkit.data.memory import CIFAR_MEAN, CIFAR_STD, normalize
-from toolkit.checkpoint.sharded import read_whole
 from toolkit.checkpoint.files import read_state_json
-from toolkit.checkpoint.folder import checkpoint_format, resolve_checkpoint
-from toolkit.checkpoint.weights import load_model, read_weights, strip_wrapper_prefixes
+from toolkit.checkpoint.folder import resolve_checkpoint
+from toolkit.checkpoint.state import model_weights, registered_states
+from toolkit.checkpoint.weights import load_model, strip_wrapper_prefixes
 from toolkit.errors import UserError
 from toolkit.models.nets import MODELS, build_model
 from toolkit.models.vision import build_image_model
@@ -91,7 +91,7 @@ def load_trained_model(path, device="cpu", average: bool = False) -> TrainedMode
         raise UserError(f"Checkpoint {folder} holds {config['model']!r}, not an image classifier (its config names "
                         "neither classes and an image size nor a dataset); predict and export take checkpoints of "
                         "recipes/images.py or recipes/cifar.py.")
-    weights = _read_model_weights(folder)
+    weights = model_weights(folder)
     if "classes" in config or "image_size" in config:
         model, classes, size, preprocessing, transform = _image_recipe_model(folder, config)
     else:
@@ -107,28 +107,11 @@ def load_trained_model(path, device="cpu", average: bool = False) -> TrainedMode
 def weight_average(folder: Path) -> dict:
     """The weight average a run with --ema-decay saved in `folder` (its registered WeightEMA: parameter name ->
     tensor); one sentence when the run kept none."""
-    from toolkit.checkpoint.files import load_safe
-
-    for file in sorted(folder.glob("custom_checkpoint_*.pkl")):
-        state = load_safe(file)
+    for state in registered_states(folder):
         if isinstance(state, dict) and {"decay", "updates", "average"} <= set(state):
             return state["average"]
     raise UserError(f"Checkpoint {folder} holds no weight average: its run was trained without --ema-decay; drop "
                     "--average to use its weights.")
-
-
-def _read_model_weights(folder: Path) -> dict:
-    """The first model's whole state dict, from model.safetensors (or Accelerate's pytorch_model.bin) or, in the
-    sharded format, gathered from every rank's shards in this one process."""
-    if checkpoint_format(folder) == "sharded":
-        models, _ = read_whole(folder)
-        if not models:
-            raise UserError(f"Checkpoint {folder} holds no model weights in its shards.")
-        return models[0]
-    file = folder / "model.safetensors"
-    if not file.is_file() and (folder / "pytorch_model.bin").is_file():
-        file = folder / "pytorch_model.bin"
-    return read_weights(file)
 
 
 def _image_recipe_model(folder: Path, config: dict):
