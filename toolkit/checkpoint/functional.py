@@ -22,12 +22,12 @@ import torch.distributed as dist
 
 from toolkit.checkpoint import files as state_files
 from toolkit.errors import UserError
-from toolkit.checkpoint.full import load_full_weights, write_full_weights
 from toolkit.checkpoint.files import (SCALER_NAME, gather_rng_states, load_safe, read_state_json, rng_state,
-                                      state_file, state_json_text, write_training_state)
-from toolkit.checkpoint.folder import (CHECKPOINT_FORMATS, MANIFEST_NAME, best_checkpoint, building, check_keep, checkpoint_folder,
-                                       checkpoint_format, finish_checkpoint, latest_checkpoint, list_checkpoints,
-                                       mark_best, read_state, resolve_checkpoint, seal_if_unsealed)
+                                      state_file, state_json_text)
+from toolkit.checkpoint.folder import (CHECKPOINT_FORMATS, best_checkpoint, check_keep, checkpoint_folder,
+                                       finish_checkpoint, latest_checkpoint, list_checkpoints, mark_best, read_state,
+                                       resolve_checkpoint, seal_if_unsealed)
+from toolkit.checkpoint.state import Registries, read_weights, write_full_folder
 from toolkit.checkpoint.folder import verify_folder as verify_checkpoint
 
 __all__ = ["CHECKPOINT_FORMATS", "best_checkpoint", "checkpoint_folder", "finish_checkpoint", "gather_rng_states",
@@ -49,10 +49,9 @@ def save_checkpoint(root, step, *, model, optimizer=None, scheduler=None, scaler
     final = checkpoint_folder(root, step)
     check_keep(keep)
     state_text = state_json_text({"step": step, **(state or {})})
-    with building(final, {"checkpoint_format": "full", "step": step, "world_size": _world_size()}) as temp:
-        write_full_weights(temp, [model], [optimizer] if optimizer is not None else [])
-        write_training_state(temp, state_text, schedulers=[scheduler] if scheduler is not None else [],
-                             scaler=scaler, rng_states=rng_states or [rng_state(step)])
+    write_full_folder(final, state_text, step, _world_size(), [model], [optimizer] if optimizer is not None else [],
+                      Registries([scheduler] if scheduler is not None else [], scaler, []),
+                      rng_states or [rng_state(step)])
     finish_checkpoint(root, final, keep)
     return final
 
@@ -64,12 +63,7 @@ def load_checkpoint(path, *, model=None, optimizer=None, scheduler=None, scaler=
     every rank loads it, resharded to this world size."""
     path = resolve_checkpoint(path)
     models, optimizers = [m for m in (model,) if m is not None], [o for o in (optimizer,) if o is not None]
-    if checkpoint_format(path) == "sharded":
-        from toolkit.checkpoint.sharded import load_shards  # torch.distributed.checkpoint: ~1 s to import
-
-        load_shards(path, models, optimizers)
-    else:
-        load_full_weights(path, models, optimizers, map_location=map_location)
+    read_weights(path, models, optimizers, map_location=map_location)
     if scheduler is not None:
         scheduler.load_state_dict(load_safe(state_file(path, "scheduler", 0, "bin"), map_location))
     if scaler is not None:

@@ -95,7 +95,14 @@ def write_full(final: Path, config, position: dict, world_size: int, weights, op
     the registries, every rank's `rng_states` and `position` (training_state) as state.json."""
     make_room(final, config)
     state_text = state_json_text(position)  # fails before gigabytes are written
-    with building(final, {"checkpoint_format": "full", "step": position["step"], "world_size": world_size}) as temp:
+    write_full_folder(final, state_text, position["step"], world_size, weights, optimizers, registries, rng_states,
+                      safe_serialization)
+
+
+def write_full_folder(final: Path, state_text: str, step: int, world_size: int, weights, optimizers,
+                      registries: Registries, rng_states, safe_serialization: bool = True):
+    """The full folder at `final` (built hidden, sealed, published), for save_state and save_checkpoint alike."""
+    with building(final, {"checkpoint_format": "full", "step": step, "world_size": world_size}) as temp:
         write_full_weights(temp, weights, optimizers, safe_serialization)
         _write_rest(temp, state_text, registries, rng_states)
 
@@ -175,7 +182,7 @@ def is_sharded(path: Path) -> bool:
     return checkpoint_format(path) == "sharded"
 
 
-def read_weights(path: Path, models, optimizers, strict: bool = True):
+def read_weights(path: Path, models, optimizers, strict: bool = True, map_location="cpu"):
     """Load the folder's models and optimizers into `models` and `optimizers` (in order); a sharded folder is
     resharded to this world size (a collective where a process group exists)."""
     if is_sharded(path):
@@ -183,7 +190,7 @@ def read_weights(path: Path, models, optimizers, strict: bool = True):
 
         load_shards(path, models, optimizers)
     else:
-        load_full_weights(path, models, optimizers, strict=strict)
+        load_full_weights(path, models, optimizers, strict=strict, map_location=map_location)
 
 
 def read_rest(path: Path, registries: Registries, rank: int, step: int) -> tuple[int, dict]:
