@@ -30,6 +30,20 @@ RNG_FILE = re.compile(r"random_states_(\d+)\.pkl")
 CUSTOM_FILE = re.compile(r"custom_checkpoint_(\d+)\.pkl")
 
 
+CHECKPOINT_FORMATS = ("full", "sharded")
+
+
+def check_checkpoint_format(kind: str) -> str:
+    """`kind` if it is a checkpoint format save_state can write, else one sentence.
+
+    >>> check_checkpoint_format("sharded")
+    'sharded'
+    """
+    if kind not in CHECKPOINT_FORMATS:
+        raise UserError(f"checkpoint_format must be one of {', '.join(CHECKPOINT_FORMATS)}, not {kind!r}.")
+    return kind
+
+
 def indexed(stem: str, index: int, suffix: str) -> str:
     """Accelerate's file name of the index-th object of a kind.
 

@@ -28,11 +28,10 @@ import sys
 from pathlib import Path
 
 from toolkit.errors import UserError
-from toolkit.checkpoint.files import RNG_FILE, read_state_json
+from toolkit.checkpoint.files import CHECKPOINT_FORMATS, RNG_FILE, read_state_json
 from toolkit.checkpoint.weights import honour_umask
 
 MANIFEST_NAME = "manifest.json"
-CHECKPOINT_FORMATS = ("full", "sharded")
 STEP_FOLDER = re.compile(r"step-(\d+)")
 # The build folders (.tmp-*) and folders set aside (.old-*) of a writer, named with its pid.
 _LEFTOVER = re.compile(r"\.(?:tmp|old)-(?:step-\d+|checkpoint_\d+)-(\d+)")
@@ -47,17 +46,6 @@ def checkpoint_folder(root, step: int) -> Path:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     return Path(root) / f"step-{step:08d}"
-
-
-def check_checkpoint_format(kind: str) -> str:
-    """`kind` if it is a checkpoint format save_state can write, else one sentence.
-
-    >>> check_checkpoint_format("sharded")
-    'sharded'
-    """
-    if kind not in CHECKPOINT_FORMATS:
-        raise UserError(f"checkpoint_format must be one of {', '.join(CHECKPOINT_FORMATS)}, not {kind!r}.")
-    return kind
 
 
 # -- building a folder: atomic publish and the manifest ---------------------------------------------------

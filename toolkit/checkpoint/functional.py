@@ -22,11 +22,11 @@ import torch.distributed as dist
 
 from toolkit.checkpoint import files as state_files
 from toolkit.errors import UserError
-from toolkit.checkpoint.files import (SCALER_NAME, gather_rng_states, load_safe, read_state_json, rng_state,
-                                      state_file, state_json_text)
-from toolkit.checkpoint.folder import (CHECKPOINT_FORMATS, best_checkpoint, check_keep, checkpoint_folder,
-                                       finish_checkpoint, latest_checkpoint, list_checkpoints, mark_best, read_state,
-                                       resolve_checkpoint, seal_if_unsealed)
+from toolkit.checkpoint.files import (CHECKPOINT_FORMATS, SCALER_NAME, gather_rng_states, load_safe, read_state_json,
+                                      rng_state, state_file, state_json_text)
+from toolkit.checkpoint.folder import (best_checkpoint, check_keep, checkpoint_folder, finish_checkpoint,
+                                       latest_checkpoint, list_checkpoints, mark_best, read_state, resolve_checkpoint,
+                                       seal_if_unsealed)
 from toolkit.checkpoint.state import Registries, read_weights, write_full_folder
 from toolkit.checkpoint.folder import verify_folder as verify_checkpoint
 

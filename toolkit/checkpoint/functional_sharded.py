@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from toolkit.checkpoint.sharded import local_state_dicts, read_index, save_sharded
-from toolkit.checkpoint.files import rng_state, state_json_text, write_training_state
+from toolkit.checkpoint.files import rng_state, state_json_text
 from toolkit.checkpoint.folder import check_keep, checkpoint_folder, finish_checkpoint
+from toolkit.checkpoint.sharded import local_state_dicts, read_index
+from toolkit.checkpoint.state import Registries, write_sharded
 
 __all__ = ["read_index", "save_sharded_checkpoint"]
 
@@ -32,13 +33,9 @@ def save_sharded_checkpoint(root, step, *, model, optimizer=None, scheduler=None
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if distributed else 1
     model_states, optimizer_states = local_state_dicts([model], [optimizer] if optimizer is not None else [])
-
-    def finish(temp):
-        write_training_state(temp, state_text, schedulers=[scheduler] if scheduler is not None else [],
-                             scaler=scaler, rng_states=rng_states or [rng_state(step)])
-
-    save_sharded(final, model_states, optimizer_states, finish,
-                 {"checkpoint_format": "sharded", "step": step, "world_size": world})
+    registries = Registries([scheduler] if scheduler is not None else [], scaler, [])
+    write_sharded(final, model_states, optimizer_states, registries, rng_states or [rng_state(step)],
+                  (state_text, {"checkpoint_format": "sharded", "step": step, "world_size": world}))
     if not distributed or dist.get_rank() == 0:
         finish_checkpoint(root, final, keep)
     return final

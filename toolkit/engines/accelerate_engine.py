@@ -39,7 +39,7 @@ from toolkit.engines.base import cpu_requested
 from toolkit.engines.group import DEFAULT_TIMEOUT_S, attempt_store, nccl_error_handling, release_ddp_wrappers
 from toolkit.engines.accelerate_state import load_state_verified, save_state_atomically
 from toolkit.engines.prepared import has_gradients
-from toolkit.checkpoint.folder import check_checkpoint_format
+from toolkit.checkpoint.files import check_checkpoint_format
 from toolkit.checkpoint.state import Registries
 from toolkit.engines.trackers import tensors_to_numbers
 from toolkit.checkpoint.weights import honour_umask

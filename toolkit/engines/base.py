@@ -25,7 +25,7 @@ from toolkit.engines.accelerate_settings import AccelerateSettingsMixin, release
 from toolkit.engines.checkpointing import CheckpointingMixin, ProjectConfiguration
 from toolkit.engines.observers import EngineObservers
 from toolkit.engines.processes import ProcessesMixin
-from toolkit.checkpoint.folder import check_checkpoint_format
+from toolkit.checkpoint.files import check_checkpoint_format
 from toolkit.engines.tracking import TrackingMixin, check_trackers
 from toolkit.engines.prepared import (PreparedDataLoader, PreparedOptimizer, PreparedScheduler, has_gradients,
                                       map_tensors)

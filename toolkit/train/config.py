@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from toolkit.checkpoint.files import CHECKPOINT_FORMATS
 from toolkit.engines import ENGINES
 from toolkit.errors import UserError
 
-CHECKPOINT_FORMATS = ("full", "sharded")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("linear", "cosine", "constant")
 
