@@ -65,12 +65,16 @@ def building(final: Path, about: dict, temp: Path | None = None):
         raise
 
 
-def start_folder(final: Path) -> Path:
-    """A fresh hidden sibling of `final` to build a save in (its parent made; leftovers of writers that died
-    beside it removed)."""
+def build_folder(final: Path, pid: int | None = None) -> Path:
+    """The hidden sibling of `final` that process `pid` (this one by default) builds a save in."""
+    return final.with_name(f".tmp-{final.name}-{os.getpid() if pid is None else pid}")
+
+
+def start_folder(final: Path, pid: int | None = None) -> Path:
+    """A fresh build_folder of `final` (its parent made; leftovers of writers that died beside it removed)."""
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(final.parent)
-    temp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
+    temp = build_folder(final, pid)
     shutil.rmtree(temp, ignore_errors=True)
     temp.mkdir()
     return temp

@@ -12,7 +12,6 @@ it is published are decided here.
 from __future__ import annotations
 
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from toolkit.config import listing
 from toolkit.errors import UserError
 from toolkit.checkpoint.files import (CUSTOM_FILE, SCALER_NAME, STATE_NAME, custom_file, load_safe, read_state_json,
                                       restore_rng, rng_file, state_file, state_json_text, write_training_state)
-from toolkit.checkpoint.folder import (MANIFEST_NAME, building, checkpoint_format, remove_folder, remove_leftovers,
+from toolkit.checkpoint.folder import (MANIFEST_NAME, building, checkpoint_format, remove_folder, start_folder,
                                        verify_folder)
 from toolkit.checkpoint.full import load_full_weights, write_full_weights
 
@@ -125,20 +124,13 @@ def write_sharded(final: Path, model_states, optimizer_states, registries: Regis
                  lambda temp: _write_rest(temp, state_text, registries, rng_states), about)
 
 
-def begin_beside(final: Path, config, position: dict, temp: Path) -> str:
-    """The main process, before Accelerate's own save_state writes into `temp` (build_folder): room for `final`,
-    the build folders of writers that died and any old `temp` gone; returns state.json's text."""
+def begin_beside(final: Path, config, position: dict, pid: int) -> str:
+    """The main process, before Accelerate's own save_state writes into folder.build_folder(final, pid): room
+    for `final`, that build folder made fresh (folder.start_folder); returns state.json's text."""
     make_room(final, config)
     state_text = state_json_text(position)  # fails before gigabytes are written
-    final.parent.mkdir(parents=True, exist_ok=True)
-    remove_leftovers(final.parent)
-    shutil.rmtree(temp, ignore_errors=True)
+    start_folder(final, pid)
     return state_text
-
-
-def build_folder(final: Path, pid: int) -> Path:
-    """The hidden folder a save by process `pid` builds `final` in (folder.start_folder's name)."""
-    return final.with_name(f".tmp-{final.name}-{pid}")
 
 
 def finish_beside(final: Path, temp: Path, state_text: str, about: dict):
@@ -200,7 +192,7 @@ def read_rest(path: Path, registries: Registries, rank: int, step: int) -> tuple
         scheduler.load_state_dict(load_safe(state_file(path, "scheduler", i, "bin")))
     if registries.scaler is not None and (path / SCALER_NAME).is_file():
         registries.scaler.load_state_dict(load_safe(path / SCALER_NAME))
-    found = sorted(p.name for p in path.iterdir() if CUSTOM_FILE.fullmatch(p.name))
+    found = _registered_files(path)
     if len(found) != len(registries.custom_objects):
         raise UserError(f"{path} holds {len(found)} registered object(s) but {len(registries.custom_objects)} are "
                         f"registered with register_for_checkpointing; register the same objects as when it was saved.")
@@ -216,9 +208,8 @@ def read_rest(path: Path, registries: Registries, rank: int, step: int) -> tuple
 def check_registered_files(path: Path):
     """Refuse a folder whose registered objects' files hold code, before Accelerate's own load_state reads them
     with weights_only=False."""
-    for name in (p.name for p in path.iterdir()):
-        if CUSTOM_FILE.fullmatch(name):
-            load_safe(path / name)
+    for file in _registered_files(path):
+        load_safe(file)
 
 
 def saved_optimizer_steps(state: dict, steps: int) -> int:
@@ -236,8 +227,13 @@ def holds_registered(path: Path, count: int) -> bool:
 
 def registered_states(path: Path) -> list:
     """The registered objects' saved states, in registration order."""
+    return [load_safe(file) for file in _registered_files(path)]
+
+
+def _registered_files(path: Path) -> list[Path]:
+    """custom_checkpoint_<i>.pkl in the folder, in registration order."""
     found = sorted((int(m[1]), p) for p in path.iterdir() if (m := CUSTOM_FILE.fullmatch(p.name)))
-    return [load_safe(file) for _, file in found]
+    return [file for _, file in found]
 
 
 def saved_schedule(path: Path) -> dict | None:

@@ -15,7 +15,8 @@ from toolkit.engines.checkpointing import save_sharded_state
 from toolkit.engines.collectives import all_ranks
 from toolkit.checkpoint.files import gather_rng_states, read_state_json, training_state
 from toolkit.checkpoint.files import check_checkpoint_format
-from toolkit.checkpoint.state import (begin_beside, build_folder, check_registered_files, destination,
+from toolkit.checkpoint.folder import build_folder
+from toolkit.checkpoint.state import (begin_beside, check_registered_files, destination,
                                       finish_beside, is_sharded, open_for_load, read_rest, read_weights,
                                       saved_optimizer_steps)
 
@@ -30,12 +31,13 @@ def save_state_atomically(engine, output_dir, safe_serialization, **save_model_f
         config.iteration += 1
         return str(final)
     # One build folder for every rank (each writes its own random_states_<rank>.pkl there): rank 0's pid names it.
-    temp = build_folder(final, int(engine.gather(torch.tensor([os.getpid()], device=engine.device))[0]))
+    pid = int(engine.gather(torch.tensor([os.getpid()], device=engine.device))[0])
+    temp = build_folder(final, pid)
     state, state_text = None, None
     with all_ranks(engine):
         if engine.is_main_process:
             state = _position(engine)
-            state_text = begin_beside(final, config, state, temp)
+            state_text = begin_beside(final, config, state, pid)
     automatic, config.automatic_checkpoint_naming = config.automatic_checkpoint_naming, False
     try:
         accelerator.save_state(str(temp), safe_serialization=safe_serialization, **save_model_func_kwargs)
