@@ -168,12 +168,12 @@ def _accumulation_from_checkpoint(load_state_dict, run):
 
 
 def _schedule_restarts_on_world_change(read_rest, state_module):
-    def restarted(path, registries, rank, step):  # another world: the lr schedule's count starts again
+    def restarted(path, registries, rank, step, *rest):  # another world: the lr schedule's count starts again
         import torch.distributed as dist
 
-        step, state = read_rest(path, registries, rank, step)
+        step, state = read_rest(path, registries, rank, step, *rest)
         if state.get("world_size") != (dist.get_world_size() if dist.is_initialized() else 1):
-            for scheduler in registries.custom_objects:
+            for scheduler in registries.custom_objects or ():
                 if hasattr(scheduler, "last_epoch"):
                     scheduler.last_epoch = 0
         return step, state

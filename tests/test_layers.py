@@ -332,18 +332,50 @@ FOLDER_IO = {"building", "start_folder", "seal", "publish", "remove_folder", "re
              "load_shards", "read_whole", "read_index", "restore_rng", "load_safe", "verify_folder"}
 
 
-def checkpoint_io_outside(root: Path) -> list[str]:
-    """Calls of FOLDER_IO from modules outside the checkpoint package, as `module:line: call`."""
+def calls(root: Path, names: set[str]) -> list[tuple[str, int, str]]:
+    """Every call of a function named in `names` (by name or attribute) in the modules under `root`, as
+    (module, line, name)."""
     found = []
     for module, path in modules(root).items():
-        if module == "toolkit.checkpoint" or module.startswith("toolkit.checkpoint."):
-            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call):
                 name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
-                if name in FOLDER_IO:
-                    found.append(f"{module}:{node.lineno}: {name}")
+                if name in names:
+                    found.append((module, node.lineno, name))
     return sorted(found)
+
+
+def checkpoint_io_outside(root: Path) -> list[str]:
+    """Calls of FOLDER_IO from modules outside the checkpoint package, as `module:line: call`."""
+    return [f"{module}:{line}: {name}" for module, line, name in calls(root, FOLDER_IO)
+            if not (module == "toolkit.checkpoint" or module.startswith("toolkit.checkpoint."))]
+
+
+# Inside the package: a folder is built only in state.py (and by sharded.py's save_sharded, which state.write_sharded
+# calls, around every rank's shards), and only state.py reads schedulers, scaler, registered objects and RNG streams.
+ONE_WRITER = {"building": {"toolkit.checkpoint.state", "toolkit.checkpoint.sharded"},
+              "write_training_state": {"toolkit.checkpoint.state"}, "restore_rng": {"toolkit.checkpoint.state"}}
+
+
+def writers_and_readers(root: Path) -> dict[str, set[str]]:
+    """The modules that call each of ONE_WRITER's functions."""
+    found = {name: set() for name in ONE_WRITER}
+    for module, _, name in calls(root, set(ONE_WRITER)):
+        found[name].add(module)
+    return found
+
+
+def test_one_module_builds_every_checkpoint_folder_and_reads_what_it_holds_besides_weights():
+    assert writers_and_readers(TOOLKIT) == ONE_WRITER
+
+
+def test_the_check_sees_a_second_folder_writer_inside_the_package(tmp_path):
+    root = _tree(tmp_path, {"__init__.py": "", "checkpoint/__init__.py": "", "checkpoint/state.py": (
+        "with building(f, {}) as t:\n    write_training_state(t)\nrestore_rng(p, 0)\n"),
+        "checkpoint/sharded.py": "with folder.building(f, {}):\n    pass\n",
+        "checkpoint/consolidate.py": "with building(f, {}) as t:\n    pass\n"})
+    assert writers_and_readers(root) == {**ONE_WRITER, "building": {
+        "toolkit.checkpoint.state", "toolkit.checkpoint.sharded", "toolkit.checkpoint.consolidate"}}
 
 
 def test_only_the_checkpoint_package_creates_publishes_prunes_or_reads_a_checkpoint_folder():

@@ -4,15 +4,12 @@ and without a process group, into the full format that resumes under every engin
     consolidate("runs/x/checkpoints", "runs/x/full")     # -> runs/x/full/step-00000012
 """
 
-import json
-import shutil
 from pathlib import Path
 
 from toolkit.errors import UserError
-from toolkit.checkpoint.full import write_full_weights
-from toolkit.checkpoint.sharded import INDEX, read_whole
-from toolkit.checkpoint.folder import (MANIFEST_NAME, STEP_FOLDER, building, checkpoint_format, finish_checkpoint,
-                                       resolve_checkpoint)
+from toolkit.checkpoint.sharded import read_whole
+from toolkit.checkpoint.folder import STEP_FOLDER, checkpoint_format, finish_checkpoint, resolve_checkpoint
+from toolkit.checkpoint.state import write_consolidated
 from toolkit.checkpoint.weights import save_model
 
 
@@ -33,14 +30,8 @@ def _consolidate_verified(path, out):
         out.parent.mkdir(parents=True, exist_ok=True)
         save_model(models[0], out)
         return out
-    manifest = json.loads((path / MANIFEST_NAME).read_text())
     final = out / path.name
-    about = {"checkpoint_format": "full", "step": manifest.get("step"), "world_size": manifest.get("world_size")}
-    with building(final, about) as temp:
-        write_full_weights(temp, models, [_torch_layout(state) for state in optimizers])
-        for file in path.iterdir():  # scheduler, scaler, RNG, registered objects, state.json: as they were
-            if file.name not in (INDEX, MANIFEST_NAME) and file.suffix != ".distcp":
-                shutil.copy2(file, temp / file.name)
+    write_consolidated(final, path, models, [_torch_layout(state) for state in optimizers])
     if STEP_FOLDER.fullmatch(final.name):
         finish_checkpoint(out, final)
     return final

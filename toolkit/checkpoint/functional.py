@@ -20,14 +20,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from toolkit.checkpoint import files as state_files
 from toolkit.errors import UserError
-from toolkit.checkpoint.files import (CHECKPOINT_FORMATS, SCALER_NAME, gather_rng_states, load_safe, read_state_json,
-                                      rng_state, state_file, state_json_text)
+from toolkit.checkpoint.files import CHECKPOINT_FORMATS, SCALER_NAME, gather_rng_states, rng_state, state_json_text
 from toolkit.checkpoint.folder import (best_checkpoint, check_keep, checkpoint_folder, finish_checkpoint,
                                        latest_checkpoint, list_checkpoints, mark_best, read_state, resolve_checkpoint,
                                        seal_if_unsealed)
-from toolkit.checkpoint.state import Registries, read_weights, write_full_folder
+from toolkit.checkpoint.state import Registries, read_rest, read_weights, write_full_folder
 from toolkit.checkpoint.folder import verify_folder as verify_checkpoint
 
 __all__ = ["CHECKPOINT_FORMATS", "best_checkpoint", "checkpoint_folder", "finish_checkpoint", "gather_rng_states",
@@ -64,19 +62,14 @@ def load_checkpoint(path, *, model=None, optimizer=None, scheduler=None, scaler=
     path = resolve_checkpoint(path)
     models, optimizers = [m for m in (model,) if m is not None], [o for o in (optimizer,) if o is not None]
     read_weights(path, models, optimizers, map_location=map_location)
-    if scheduler is not None:
-        scheduler.load_state_dict(load_safe(state_file(path, "scheduler", 0, "bin"), map_location))
-    if scaler is not None:
-        if (path / SCALER_NAME).is_file():
-            scaler.load_state_dict(load_safe(path / SCALER_NAME, map_location))
-        else:
-            # A bf16 or CPU run saved no scaler: fp16 resumes with a fresh one, which calibrates its scale
-            # within the first steps (an overflow skips a step and halves it).
-            print(f"[toolkit] {path} has no fp16 loss scaler (saved without fp16): starting a fresh one.",
-                  file=sys.stderr)
-    if restore_rng:
-        state_files.restore_rng(path, dist.get_rank() if _distributed() else 0)
-    return read_state_json(path)
+    if scaler is not None and not (path / SCALER_NAME).is_file():
+        # A bf16 or CPU run saved no scaler: fp16 resumes with a fresh one, which calibrates its scale
+        # within the first steps (an overflow skips a step and halves it).
+        print(f"[toolkit] {path} has no fp16 loss scaler (saved without fp16): starting a fresh one.",
+              file=sys.stderr)
+    registries = Registries([scheduler] if scheduler is not None else [], scaler, None)
+    rank = (dist.get_rank() if _distributed() else 0) if restore_rng else None
+    return read_rest(path, registries, rank, 0, map_location)[1]
 
 
 def _distributed() -> bool:

@@ -1,7 +1,8 @@
-"""The one writer and the one reader of the folder `accelerator.save_state` makes, for every engine. An engine
-hands over state dicts and its registries (schedulers, GradScaler, registered objects) and takes them back;
-where the folder goes (Accelerate's automatic `checkpoint_<i>` naming and total_limit), what it holds and how
-it is published are decided here.
+"""The one writer and the one reader of the folder `accelerator.save_state` makes, for every engine, and for
+save_checkpoint, load_checkpoint and `toolkit checkpoint consolidate` (tests/test_layers.py checks that no other
+module builds a folder or reads what it holds besides weights). An engine hands over state dicts and its
+registries (schedulers, GradScaler, registered objects) and takes them back; where the folder goes (Accelerate's
+automatic `checkpoint_<i>` naming and total_limit), what it holds and how it is published are decided here.
 
     final = destination(config, output_dir)                        # every rank
     write_full(final, config, position, world_size, weights, optimizers, registries, rng_states)  # main process
@@ -11,7 +12,9 @@ it is published are decided here.
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,11 +36,12 @@ _ITERATION = re.compile(r"checkpoint_(\d+)")
 @dataclass
 class Registries:
     """What save_state holds besides models and optimizers, in the engine's order: its prepared schedulers, its
-    GradScaler (or None) and the objects registered with register_for_checkpointing."""
+    GradScaler (or None) and the objects registered with register_for_checkpointing (None: not read, for
+    load_checkpoint, which is given none)."""
 
     schedulers: list
     scaler: object
-    custom_objects: list
+    custom_objects: list | None
 
 
 # -- where --------------------------------------------------------------------------------------------------
@@ -104,6 +108,21 @@ def write_full_folder(final: Path, state_text: str, step: int, world_size: int, 
     with building(final, {"checkpoint_format": "full", "step": step, "world_size": world_size}) as temp:
         write_full_weights(temp, weights, optimizers, safe_serialization)
         _write_rest(temp, state_text, registries, rng_states)
+
+
+def write_consolidated(final: Path, source: Path, weights, optimizers):
+    """The full folder at `final` from the sharded folder `source`: the whole `weights` and `optimizers` (in
+    torch's layout), gathered in one process, and every other file of `source` (schedulers, scaler, RNG states,
+    registered objects, state.json) as it was; the manifest keeps `source`'s step and world size."""
+    from toolkit.checkpoint.sharded import INDEX  # torch.distributed.checkpoint: imported by who gathered them
+
+    saved = json.loads((source / MANIFEST_NAME).read_text())
+    about = {"checkpoint_format": "full", "step": saved.get("step"), "world_size": saved.get("world_size")}
+    with building(final, about) as temp:
+        write_full_weights(temp, weights, optimizers)
+        for file in source.iterdir():
+            if file.name not in (INDEX, MANIFEST_NAME) and file.suffix != ".distcp":
+                shutil.copy2(file, temp / file.name)
 
 
 def begin_sharded(final: Path, config, position: dict, world_size: int) -> tuple[str, dict]:
@@ -185,19 +204,25 @@ def read_weights(path: Path, models, optimizers, strict: bool = True, map_locati
         load_full_weights(path, models, optimizers, strict=strict, map_location=map_location)
 
 
-def read_rest(path: Path, registries: Registries, rank: int, step: int) -> tuple[int, dict]:
-    """Load what every format holds besides the weights into `registries`, restore rank `rank`'s RNG streams,
-    and return (the engine step they were saved at, else `step`; state.json, {} when there is none)."""
+def read_rest(path: Path, registries: Registries, rank: int | None, step: int, map_location="cpu") -> tuple[int, dict]:
+    """Load what every format holds besides the weights into `registries`, restore rank `rank`'s RNG streams
+    (none when `rank` is None), and return (the engine step they were saved at, else `step`; state.json, {} when
+    there is none). Registries whose custom_objects is None (load_checkpoint's: it holds no registered objects)
+    leave the registered objects' files unread."""
     for i, scheduler in enumerate(registries.schedulers):
-        scheduler.load_state_dict(load_safe(state_file(path, "scheduler", i, "bin")))
+        scheduler.load_state_dict(load_safe(state_file(path, "scheduler", i, "bin"), map_location))
     if registries.scaler is not None and (path / SCALER_NAME).is_file():
-        registries.scaler.load_state_dict(load_safe(path / SCALER_NAME))
-    found = _registered_files(path)
-    if len(found) != len(registries.custom_objects):
-        raise UserError(f"{path} holds {len(found)} registered object(s) but {len(registries.custom_objects)} are "
-                        f"registered with register_for_checkpointing; register the same objects as when it was saved.")
-    for i, obj in enumerate(registries.custom_objects):
-        obj.load_state_dict(load_safe(path / custom_file(i)))
+        registries.scaler.load_state_dict(load_safe(path / SCALER_NAME, map_location))
+    if registries.custom_objects is not None:
+        found = _registered_files(path)
+        if len(found) != len(registries.custom_objects):
+            raise UserError(f"{path} holds {len(found)} registered object(s) but {len(registries.custom_objects)} "
+                            f"are registered with register_for_checkpointing; register the same objects as when it "
+                            f"was saved.")
+        for i, obj in enumerate(registries.custom_objects):
+            obj.load_state_dict(load_safe(path / custom_file(i), map_location))
+    if rank is None:
+        return step, read_state_json(path)
     saved = restore_rng(path, rank)
     if saved is None and (path / rng_file(0)).is_file():  # a grown world: rank 0's streams were saved at the same step
         saved = load_safe(path / rng_file(0))
