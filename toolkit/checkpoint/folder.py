@@ -286,13 +286,16 @@ def is_accelerate_folder(path: Path) -> bool:
                               or (path / "optimizer.bin").is_file())
 
 
+def read_manifest(path) -> dict:
+    """The manifest of checkpoint folder `path` (its format, step, world size and files), {} where it has none."""
+    manifest = Path(path) / MANIFEST_NAME
+    return json.loads(manifest.read_text()) if manifest.is_file() else {}
+
+
 def checkpoint_format(path) -> str:
     """How a verified checkpoint folder holds its weights: "full" (model.safetensors and optimizer.bin, any
     folder without a manifest, any written before the manifest named it) or "sharded" (DCP's files)."""
-    manifest = Path(path) / MANIFEST_NAME
-    if not manifest.is_file():  # Accelerate's own save_state folder: the full format, without a manifest
-        return "full"
-    kind = json.loads(manifest.read_text()).get("checkpoint_format", "full")
+    kind = read_manifest(path).get("checkpoint_format", "full")  # no manifest: Accelerate's own, full
     if kind not in CHECKPOINT_FORMATS:
         raise UserError(f"Checkpoint {path} is corrupt: its manifest names checkpoint format {kind!r}, "
                         f"not one of {', '.join(CHECKPOINT_FORMATS)}.")

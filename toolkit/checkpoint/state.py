@@ -12,7 +12,6 @@ automatic `checkpoint_<i>` naming and total_limit), what it holds and how it is 
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from dataclasses import dataclass
@@ -22,8 +21,8 @@ from toolkit.config import listing
 from toolkit.errors import UserError
 from toolkit.checkpoint.files import (CUSTOM_FILE, SCALER_NAME, STATE_NAME, custom_file, load_safe, read_state_json,
                                       restore_rng, rng_file, state_file, state_json_text, write_training_state)
-from toolkit.checkpoint.folder import (MANIFEST_NAME, building, checkpoint_format, remove_folder, start_folder,
-                                       verify_folder)
+from toolkit.checkpoint.folder import (MANIFEST_NAME, building, checkpoint_format, read_manifest, remove_folder,
+                                       start_folder, verify_folder)
 from toolkit.checkpoint.full import load_full_weights, write_full_weights
 
 # What save_state may replace: the files a checkpoint folder holds (sharded: torch.distributed.checkpoint's).
@@ -116,7 +115,7 @@ def write_consolidated(final: Path, source: Path, weights, optimizers):
     registered objects, state.json) as it was; the manifest keeps `source`'s step and world size."""
     from toolkit.checkpoint.sharded import INDEX  # torch.distributed.checkpoint: imported by who gathered them
 
-    saved = json.loads((source / MANIFEST_NAME).read_text())
+    saved = read_manifest(source)
     about = {"checkpoint_format": "full", "step": saved.get("step"), "world_size": saved.get("world_size")}
     with building(final, about) as temp:
         write_full_weights(temp, weights, optimizers)

@@ -13,8 +13,7 @@ import torch
 
 from toolkit.engines.checkpointing import save_sharded_state
 from toolkit.engines.collectives import all_ranks
-from toolkit.checkpoint.files import gather_rng_states, read_state_json, training_state
-from toolkit.checkpoint.files import check_checkpoint_format
+from toolkit.checkpoint.files import check_checkpoint_format, gather_rng_states, read_state_json, training_state
 from toolkit.checkpoint.folder import build_folder
 from toolkit.checkpoint.state import (begin_beside, check_registered_files, destination,
                                       finish_beside, is_sharded, open_for_load, read_rest, read_weights,

@@ -18,8 +18,7 @@ import torch
 
 from toolkit.errors import UserError
 from toolkit.engines.collectives import all_ranks
-from toolkit.checkpoint.files import rng_state, training_state
-from toolkit.checkpoint.files import check_checkpoint_format
+from toolkit.checkpoint.files import check_checkpoint_format, rng_state, training_state
 from toolkit.checkpoint.state import (Registries, begin_sharded, destination, open_for_load, read_rest, read_weights,
                                       saved_optimizer_steps, write_full, write_sharded)
 from toolkit.checkpoint.weights import one_name_per_storage, save_safetensors, write_weights_folder
