@@ -131,6 +131,21 @@ def _optimizer_step_noop(step, prepared):
     return lambda self, closure=None: None
 
 
+def _optimizer_mode_not_forwarded(mode, prepared):
+    return lambda self: None
+
+
+def _no_sync_still_reduces(wrap, fsdp):
+    def wrap_model(self, model):
+        import contextlib
+
+        wrapped = wrap(self, model)
+        wrapped.no_sync = contextlib.nullcontext  # the name is there; every backward still reduce-scatters
+        return wrapped
+
+    return wrap_model
+
+
 def _gradients_summed(backward, base):
     return lambda self, loss, **kw: backward(self, loss * self.num_processes, **kw)
 
@@ -299,6 +314,14 @@ MUTATIONS = {
         "toolkit.engines.prepared", "PreparedOptimizer.step", _optimizer_step_noop,
         (f"{PARITY}::test_one_process_matches_the_hand_written_loop",),
         "parity: PreparedOptimizer.step does nothing (shared by single, dp and ddp)"),
+    "optimizer-eval-not-forwarded": Mutation(
+        "toolkit.engines.prepared", "PreparedOptimizer.eval", _optimizer_mode_not_forwarded,
+        ("tests/test_prepared_names.py::test_a_schedule_free_optimizer_evaluates_at_its_averaged_weights_as_without_an_accelerator[single]",),
+        "accelerate's meaning: optimizer.eval() leaves a schedule-free optimizer at its training weights"),
+    "no-sync-still-reduces": Mutation(
+        "toolkit.engines.fsdp", "FSDPEngine._wrap_model", _no_sync_still_reduces,
+        ("tests/test_fsdp.py::test_model_no_sync_accumulates_as_on_ddp_and_reduces_once_per_optimizer_step",),
+        "accelerate's meaning: model.no_sync() under fsdp still reduces every micro-batch's gradients"),
     "gradients-summed": Mutation(
         "toolkit.engines.base", "TorchEngine.backward", _gradients_summed,
         (f"{PARITY}::test_two_ranks_match_one_process_with_double_batch[ddp]",),

@@ -205,6 +205,19 @@ def test_decorated_functions_run_only_where_asked(two_ranks):
 
 def test_gather_for_metrics_drops_the_samplers_repeats(two_ranks):
     assert all(sorted(two_ranks[r]["eval"]) == list(range(9)) for r in (0, 1))
+
+
+def test_a_prepared_loaders_epoch_state_and_sampler_mean_accelerates_on_two_ranks(two_ranks):
+    """Accelerate's DataLoaderShard names with a peer: end_of_dataloader on each rank's last batch, remainder the
+    samples of the last global batch (9 % 4), the dataset's length and its whole order; a sampler set on the
+    loader orders the whole dataset and each rank still takes its share (every sample gathered once)."""
+    for rank in (0, 1):
+        assert [end for _, end, _ in two_ranks[rank]["loader_epoch"]] == [False, False, True]
+        assert {remainder for _, _, remainder in two_ranks[rank]["loader_epoch"]} == {1}
+        assert two_ranks[rank]["loader_sizes"] == [9, 9, 4]
+        assert sorted(two_ranks[rank]["set_sampler_eval"]) == list(range(9))
+    assert two_ranks[0]["set_sampler_mine"] == [[8, 6], [4, 2], [0]]
+    assert two_ranks[1]["set_sampler_mine"] == [[7, 5], [3, 1], [8]]  # the order padded with its own start
     assert two_ranks[0]["gathered_objects"] == ["r0", "r1"]
 
 

@@ -49,6 +49,12 @@ def test_non_final_micro_steps_skip_the_reduce_scatter(check):
     assert check["dtensor_grads_at_sync"] == [True] * 3
 
 
+def test_model_no_sync_accumulates_as_on_ddp_and_reduces_once_per_optimizer_step(check):
+    """Accelerate's example gradient_accumulation_for_autoregressive_models.py accumulates with model.no_sync()."""
+    assert check["no_sync_grad_none"] == [True]  # the backward inside no_sync reduce-scattered nothing
+    assert check["no_sync_diff"] <= TIGHT  # the step equals one process's on the whole global batch
+
+
 def test_full_state_dicts_round_trip_in_torch_layout(check):
     assert check["opt_groups_equal"] and check["opt_state_diff"] <= TIGHT
     assert check["resumed_diff"] <= TIGHT  # a fresh sharded model loaded the full state and stepped like the reference

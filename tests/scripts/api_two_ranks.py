@@ -43,7 +43,15 @@ accelerator.on_process(process_index=1)(lambda: ran.append("process 1"))()
 seen["ran"] = ran
 
 loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(9)), batch_size=2))
-seen["eval"] = torch.cat([accelerator.gather_for_metrics(x) for (x,) in loader]).tolist()
+gathered, seen["loader_epoch"] = [], []
+for (x,) in loader:  # 9 samples, 2 per rank per batch: 5 a rank (one a repeat), the last global batch holds 1
+    gathered.append(accelerator.gather_for_metrics(x))
+    seen["loader_epoch"].append([x.tolist(), loader.end_of_dataloader, loader.remainder])
+seen["eval"] = torch.cat(gathered).tolist()
+seen["loader_sizes"] = [loader.total_dataset_length, len(loader.get_sampler()), loader.total_batch_size]
+loader.set_sampler(range(8, -1, -1))  # the whole dataset backwards: each rank still takes its share of it
+seen["set_sampler_mine"] = [x.tolist() for (x,) in loader]
+seen["set_sampler_eval"] = torch.cat([accelerator.gather_for_metrics(x) for (x,) in loader]).tolist()
 seen["gathered_objects"] = accelerator.gather_for_metrics([f"r{rank}"], use_gather_object=True)
 
 with accelerator.main_process_first():

@@ -100,6 +100,32 @@ state = accelerator.get_state_dict(fresh)
 if accelerator.is_main_process:
     out["resumed_diff"] = max_diff(state, reference.state_dict())
 
+# DDP's habit (Accelerate's gradient_accumulation_for_autoregressive_models.py): model.no_sync() around every
+# micro-batch's backward but the last, whose backward reduce-scatters the accumulated sum once; one optimizer
+# step equal to the one-process step on the whole global batch.
+torch.manual_seed(0)
+habit, one_process = net(), net()
+one_process.load_state_dict(habit.state_dict())
+habit, habit_optimizer = accelerator.prepare(habit, torch.optim.SGD(habit.parameters(), lr=0.1))
+one_optimizer = torch.optim.SGD(one_process.parameters(), lr=0.1)
+xs, ys = X[:global_batch], Y[:global_batch]
+F.cross_entropy(one_process(xs), ys).backward()
+one_optimizer.step()
+out["no_sync_grad_none"] = []
+for micro in range(ACCUM):
+    mx = xs[micro * W * PER_RANK:(micro + 1) * W * PER_RANK][rank::W]
+    my = ys[micro * W * PER_RANK:(micro + 1) * W * PER_RANK][rank::W]
+    if micro < ACCUM - 1:
+        with habit.no_sync():
+            (F.cross_entropy(habit(mx), my) / ACCUM).backward()
+        out["no_sync_grad_none"].append(all(p.grad is None for p in habit.parameters()))  # nothing reduced
+    else:
+        (F.cross_entropy(habit(mx), my) / ACCUM).backward()
+habit_optimizer.step()
+state = accelerator.get_state_dict(habit)
+if accelerator.is_main_process:
+    out["no_sync_diff"] = max_diff(state, one_process.state_dict())
+
 # Exact evaluation: 101 images over W ranks in batches of 25, a number no world size > 1 divides.
 torch.manual_seed(0)
 image_net, ref_image_net = tiny(10), tiny(10)

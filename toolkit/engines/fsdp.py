@@ -249,6 +249,9 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
             fully_shard(unit, mesh=self._mesh, mp_policy=policy, ignored_params=set(replicated))
         fully_shard(model, mesh=self._mesh, mp_policy=policy, ignored_params=set(replicated))
         self._syncs[model] = GradientSync(model, replicated, self._world)
+        # DDP's name, which FSDP2 lacks: a script that accumulates with `model.no_sync()` (as on DDP and FSDP1)
+        # keeps each micro-batch's gradients on its rank until a backward outside it reduces them all.
+        model.no_sync = functools.partial(self._no_sync, model)
         # fully_shard replaced every parameter by a sharded one; optimizers made before must follow.
         sharded = dict(model.named_parameters())
         self._swapped.update({old: sharded[name] for old, name in names.items()})

@@ -1,14 +1,20 @@
 """What `prepare` returns on the plain-PyTorch engines: an optimizer that steps once per accumulated batch
 (and leaves the GradScaler to the engine), a scheduler that ticks with it, and a data loader that shards
-by rank, moves batches to the device and knows which samples of the last batch are padding.
+by rank, moves batches to the device and knows which samples of the last batch are padding. Each carries the
+public names of Accelerate's `AcceleratedOptimizer`, `AcceleratedScheduler` and `DataLoaderShard`, with their
+meaning (tests/test_prepared_names.py compares them by `dir()`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import math
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+
+from toolkit.errors import UserError
 
 from toolkit.engines.workers import stopped_at_exit
 
@@ -82,6 +88,24 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         self.optimizer.add_param_group(param_group)
 
+    def train(self):
+        """Accelerate's: the wrapped optimizer's train mode, where it has one (schedule-free optimizers average
+        their weights differently for training and evaluation); nothing otherwise."""
+        _call_mode(self.optimizer, "train")
+
+    def eval(self):
+        """Accelerate's: the wrapped optimizer's eval mode, where it has one; nothing otherwise."""
+        _call_mode(self.optimizer, "eval")
+
+
+def _call_mode(optimizer, mode: str):
+    """optimizer.train() / .eval() when it has it, else that of the optimizer it wraps (as Accelerate looks one
+    level down, for DeepSpeed's wrapper)."""
+    for holder in (optimizer, getattr(optimizer, "optimizer", None)):
+        if callable(getattr(holder, mode, None)):
+            getattr(holder, mode)()
+            return
+
 
 def has_gradients(optimizer) -> bool:
     return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
@@ -110,6 +134,16 @@ class PreparedScheduler:
     def __getattr__(self, name):
         return getattr(self.scheduler, name)
 
+    def get_last_lr(self):
+        return self.scheduler.get_last_lr()
+
+    def get_lr(self):
+        return self.scheduler.get_lr()
+
+    def print_lr(self, *args, **kwargs):
+        """Accelerate's: the wrapped scheduler's (torch 2.14's schedulers no longer have one, there as here)."""
+        return self.scheduler.print_lr(*args, **kwargs)
+
     def state_dict(self):
         return self.scheduler.state_dict()
 
@@ -118,9 +152,15 @@ class PreparedScheduler:
 
 
 class PreparedDataLoader:
-    """A DataLoader re-sharded with a DistributedSampler (set_epoch every epoch, automatically) that moves
-    batches to the device, knows which samples of each batch are sampler padding, and where it stands in its
-    epoch (saved by save_state, resumed with skip_first_batches)."""
+    """A DataLoader re-sharded by rank (each epoch's order set automatically) that moves batches to the device,
+    knows which samples of each batch are sampler padding, and where it stands in its epoch (saved by save_state,
+    resumed with skip_first_batches). The order of the whole dataset is a sampler of its own (`get_sampler`, which
+    `set_sampler` replaces); each rank takes its share of it as DistributedSampler would."""
+
+    # Accelerate's DataLoaderShard state, per loader: whether the batch being handed out is the epoch's last, and
+    # how many samples the last global batch holds (-1 before an epoch starts or when the loader drops it).
+    end_of_dataloader = False
+    remainder = -1
 
     def __init__(self, loader: DataLoader, engine, skip_batches: int = 0, parent=None):
         self.engine = engine
@@ -136,13 +176,10 @@ class PreparedDataLoader:
         if isinstance(loader.dataset, IterableDataset) or loader.batch_size is None:
             self.loader = loader  # nothing to re-shard: the user's dataset decides
             return
-        self.sampler = parent.sampler if parent is not None else DistributedSampler(
-            loader.dataset,
-            num_replicas=engine.num_processes,
-            rank=engine.process_index,
-            shuffle=isinstance(loader.sampler, RandomSampler),
-            seed=engine.data_order_seed(),
-        )
+        self.sampler = parent.sampler if parent is not None else RankShare(
+            DatasetOrder(len(loader.dataset), shuffle=isinstance(loader.sampler, RandomSampler),
+                         seed=engine.data_order_seed()),
+            engine.num_processes, engine.process_index)
         self.per_process_batch = _per_process_batch(loader.batch_size, engine)
         sampler = _SkipFirst(self.sampler, skip_batches * self.per_process_batch) if skip_batches else self.sampler
         kwargs = dict(
@@ -161,9 +198,44 @@ class PreparedDataLoader:
         self.loader = DataLoader(loader.dataset, **kwargs)
         if loader.persistent_workers:  # its workers may ignore SIGTERM (toolkit.engines.workers): stopped here
             stopped_at_exit(self.loader)
-        # DistributedSampler pads with repeats so every rank has as many samples: count the real ones.
-        n, world, rank = len(loader.dataset), engine.num_processes, engine.process_index
-        self.real_samples = len(range(rank, n, world))
+
+    @property
+    def real_samples(self) -> int:
+        """This rank's samples that are not padding: the split pads with repeats so every rank has as many."""
+        return len(range(self.sampler.rank, len(self.sampler.order), self.sampler.world))
+
+    @property
+    def total_dataset_length(self) -> int:
+        """Accelerate's: the dataset's `total_length` where it gives one, else its length."""
+        return self.dataset.total_length if hasattr(self.dataset, "total_length") else len(self.dataset)
+
+    def get_sampler(self):
+        """Accelerate's: the sampler that orders the whole dataset, before each rank takes its share."""
+        if self.sampler is None:
+            return getattr(self.loader.batch_sampler, "sampler", None)
+        return self.sampler.order
+
+    def set_sampler(self, sampler):
+        """Accelerate's: order the whole dataset by `sampler` from the next epoch on; each rank still takes its
+        share of that order (a sampler given here is never iterated whole on every rank)."""
+        if self.sampler is None:
+            raise UserError(f"set_sampler needs a loader over a map-style dataset with a batch size; this one's "
+                            f"{type(self.dataset).__name__} decides its own order, so give it the order instead.")
+        if not hasattr(sampler, "__len__"):
+            raise UserError(f"set_sampler needs a sampler with a length, so that every rank gets as many samples; "
+                            f"{type(sampler).__name__} has none.")
+        self.sampler.order = sampler
+
+    def state_dict(self):
+        raise UserError(self._stateless("state_dict"))
+
+    def load_state_dict(self, state_dict):
+        raise UserError(self._stateless("load_state_dict"))
+
+    def _stateless(self, method: str) -> str:
+        return (f"loader.{method}() belongs to Accelerate's stateful loaders, which the {self.engine.name} engine "
+                f"does not offer; use the accelerate engine with DataLoaderConfiguration(use_stateful_dataloader="
+                f"True), or accelerator.save_state, which keeps this loader's place in its epoch.")
 
     def __len__(self):
         return len(self.loader)
@@ -200,7 +272,12 @@ class PreparedDataLoader:
             self.dataset.set_epoch(owner.epoch)
         engine, seen = self.engine, self.skip_batches * (getattr(self, "per_process_batch", None) or 0)
         owner.batches_seen = self.skip_batches
-        engine.end_of_dataloader = False
+        engine.end_of_dataloader = self.end_of_dataloader = False
+        self.remainder = -1
+        if not self.base_dataloader.drop_last:
+            with contextlib.suppress(TypeError):  # a dataset without a length has no remainder (Accelerate: -1)
+                length = getattr(self.dataset, "total_dataset_length", None) or len(self.dataset)  # Accelerate's rule
+                self.remainder = length % self.total_batch_size
         iterator = iter(self.loader)
         try:
             batch = next(iterator)
@@ -215,7 +292,7 @@ class PreparedDataLoader:
             if self.sampler is not None and size is not None:
                 self.valid_in_batch = (size, max(0, min(size, self.real_samples - seen)))
                 seen += size
-            engine.end_of_dataloader = upcoming is None
+            engine.end_of_dataloader = self.end_of_dataloader = upcoming is None
             engine._active_loader = self
             owner.batches_seen += 1
             yield move_to(batch, engine.device) if engine.device_placement else batch
@@ -238,6 +315,49 @@ def _per_process_batch(batch_size: int, engine) -> int:
         raise UserError(f"split_batches needs a batch size that {engine.num_processes} processes divide evenly, not "
                         f"{batch_size}; use a multiple of {engine.num_processes}.")
     return batch_size // engine.num_processes
+
+
+class DatasetOrder(torch.utils.data.Sampler):
+    """The whole dataset's order in an epoch: shuffled as DistributedSampler shuffles (a permutation seeded with
+    seed + epoch, the same on every rank), or in index order."""
+
+    def __init__(self, length: int, shuffle: bool, seed: int):
+        self.length, self.shuffle, self.seed, self.epoch = length, shuffle, seed, 0
+
+    def set_epoch(self, epoch: int):
+        self.epoch = epoch
+
+    def __iter__(self):
+        if not self.shuffle:
+            return iter(range(self.length))
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.length, generator=generator).tolist())
+
+    def __len__(self):
+        return self.length
+
+
+class RankShare(torch.utils.data.Sampler):
+    """One rank's share of an order, as DistributedSampler splits (drop_last=False): the order padded with its own
+    start to a multiple of the world size, then every `world`-th index from `rank`."""
+
+    def __init__(self, order, world: int, rank: int):
+        self.order, self.world, self.rank = order, world, rank
+
+    def set_epoch(self, epoch: int):
+        if hasattr(self.order, "set_epoch"):
+            self.order.set_epoch(epoch)
+
+    def __iter__(self):
+        indices = list(self.order)
+        total = len(self) * self.world
+        if indices:
+            indices += (indices * math.ceil(total / len(indices)))[:total - len(indices)]
+        return iter(indices[self.rank:total:self.world])
+
+    def __len__(self):
+        return math.ceil(len(self.order) / self.world)
 
 
 class _SkipFirst(torch.utils.data.Sampler):

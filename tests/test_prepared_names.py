@@ -1,0 +1,132 @@
+"""What `prepare()` returns is Accelerate's, by name and by meaning, on every engine: each public name of
+Accelerate's `AcceleratedOptimizer`, `AcceleratedScheduler` and `DataLoaderShard` (enumerated with `dir()`, so a name
+a new Accelerate release adds turns this red) is there, or calling it is one sentence naming the engine that has it.
+A schedule-free optimizer's train()/eval() reach it, as in Accelerate's examples/by_feature/schedule_free.py; the
+loader's end_of_dataloader, remainder, total_dataset_length, get_sampler and set_sampler mean Accelerate's (at
+world 1 against Accelerate's own loader; across 2 ranks in tests/scripts/api_two_ranks.py)."""
+
+import pytest
+import schedulefree
+import torch
+from accelerate.data_loader import DataLoaderShard
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import toolkit
+from toolkit.engines.prepared import DatasetOrder, RankShare
+from toolkit.errors import UserError
+
+ENGINES = ("single", "dp", "ddp", "fsdp", "accelerate")
+# DataLoaderShard's hooks that Accelerate's GradientState calls on its own loaders, not a script's names.
+INTERNAL = {"begin", "end", "reset", "adjust_state_dict_for_prefetch"}
+
+
+def public(cls) -> list[str]:
+    return [name for name in dir(cls) if not name.startswith("_") and name not in INTERNAL]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request):
+    accelerator = toolkit.build_accelerator(request.param, cpu=True)
+    yield accelerator
+    accelerator.end_training()
+
+
+def prepared(accelerator, dataset=TensorDataset(torch.arange(10.0)), batch_size=4, shuffle=True):
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=shuffle)
+    return accelerator.prepare(model, optimizer, scheduler, loader)[1:]
+
+
+def test_every_public_name_of_accelerates_prepared_objects_is_there(engine):
+    optimizer, scheduler, loader = prepared(engine)
+    for cls, obj in ((AcceleratedOptimizer, optimizer), (AcceleratedScheduler, scheduler), (DataLoaderShard, loader)):
+        missing = [name for name in public(cls) if not hasattr(obj, name)]
+        assert not missing, f"{engine.name}: {type(obj).__name__} lacks {missing} of {cls.__name__}"
+    if engine.name != "accelerate":  # a stateful loader is the accelerate engine's: one sentence naming it
+        for call in (loader.state_dict, lambda: loader.load_state_dict({})):
+            with pytest.raises(UserError, match="use the accelerate engine") as refused:
+                call()
+            assert "\n" not in str(refused.value)
+
+
+def schedule_free_run(accelerator=None) -> list[float]:
+    """Accelerate's schedule_free.py in small: optimizer.train() before each step, optimizer.eval() before each
+    evaluation, whose loss is taken at the averaged weights that eval() swaps in. No accelerator: the same loop
+    on the bare model and optimizer."""
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = schedulefree.SGDScheduleFree(model.parameters(), lr=0.3, momentum=0.9, warmup_steps=2)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    if accelerator is not None:
+        model, optimizer = accelerator.prepare(model, optimizer)
+    evaluations = []
+    for _ in range(6):
+        model.train()
+        optimizer.train()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss) if accelerator is not None else loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        model.eval()
+        optimizer.eval()
+        with torch.no_grad():
+            evaluations.append(torch.nn.functional.mse_loss(model(x), y).item())
+    return evaluations
+
+
+def test_a_schedule_free_optimizer_evaluates_at_its_averaged_weights_as_without_an_accelerator(engine):
+    reference = schedule_free_run()
+    assert reference[-1] < reference[0]  # it learned
+    # One process, the same float32 operations in the same order: the same losses, bit for bit or within 1 ulp.
+    assert schedule_free_run(engine) == pytest.approx(reference, rel=1e-6)
+
+
+def epoch(loader) -> list[tuple[list[float], bool, int]]:
+    return [(batch.tolist(), loader.end_of_dataloader, loader.remainder) for (batch,) in loader]
+
+
+def test_the_loaders_epoch_state_means_accelerates_at_world_1(engine):
+    """10 samples in batches of 4: the last batch holds 2 (`remainder`), and `end_of_dataloader` is set while it is
+    handed out and stays set after the epoch, as on Accelerate's own loader (the reference, unshuffled)."""
+    _, _, loader = prepared(engine, shuffle=False)
+    ours = epoch(loader)
+    assert (loader.total_dataset_length, loader.end_of_dataloader, loader.total_batch_size) == (10, True, 4)
+    assert [(end, remainder) for _, end, remainder in ours] == [(False, 2), (False, 2), (True, 2)]
+    assert [batch for batch, _, _ in ours] == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0]]
+    assert len(loader.get_sampler()) == 10  # the whole dataset's order, not one rank's share
+
+
+def test_accelerates_own_loader_means_what_the_test_above_asserts():
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(10.0)), batch_size=4))
+    assert loader.remainder == -1 and not loader.end_of_dataloader  # before the epoch
+    assert [(end, remainder) for _, end, remainder in epoch(loader)] == [(False, 2), (False, 2), (True, 2)]
+    assert (loader.total_dataset_length, loader.end_of_dataloader, loader.total_batch_size) == (10, True, 4)
+    assert len(loader.get_sampler()) == 10
+
+
+def test_a_sampler_set_on_the_loader_orders_the_next_epoch(engine):
+    _, _, loader = prepared(engine, shuffle=False)
+    loader.set_sampler(list(reversed(range(10))))  # any sized iterable of indices, as DataLoader takes
+    assert [batch for batch, _, _ in epoch(loader)] == [[9.0, 8.0, 7.0, 6.0], [5.0, 4.0, 3.0, 2.0], [1.0, 0.0]]
+
+
+@pytest.mark.parametrize("length,world", [(9, 2), (10, 4), (3, 4), (1, 2), (12, 3)])
+def test_each_ranks_share_of_the_order_is_distributed_samplers(length, world):
+    """The split (and its padding with repeats) is torch's DistributedSampler's, for every rank, epoch and seed:
+    resumes and checkpoints from before the order became a sampler of its own keep their data order."""
+    dataset = list(range(length))
+    for shuffle in (True, False):
+        for rank in range(world):
+            ours = RankShare(DatasetOrder(length, shuffle=shuffle, seed=17), world, rank)
+            torchs = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=17)
+            for e in (0, 3):
+                ours.set_epoch(e)
+                torchs.set_epoch(e)
+                assert list(ours) == list(torchs) and len(ours) == len(torchs), (shuffle, rank, e)
