@@ -130,3 +130,33 @@ def test_each_ranks_share_of_the_order_is_distributed_samplers(length, world):
                 ours.set_epoch(e)
                 torchs.set_epoch(e)
                 assert list(ours) == list(torchs) and len(ours) == len(torchs), (shuffle, rank, e)
+
+
+def test_an_fp16_overflow_is_a_skipped_step_that_the_schedule_skips_and_the_run_counts(engine):
+    """What fp16 does on an inf gradient, reached on CPU: a CPU GradScaler stands in for CUDA's (fp16 itself needs
+    CUDA here) and the second step's loss is multiplied by inf. That step is skipped on every engine: the weights
+    stay, `step_was_skipped` and `optimizer_step_was_skipped` say so, the prepared scheduler does not tick, the
+    engine counts one skipped step and the scaler halves its scale; the next step trains again."""
+    holder = engine.accelerator if engine.name == "accelerate" else engine  # where prepare and backward read it
+    holder.scaler = scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    try:
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
+        model, optimizer, scheduler = engine.prepare(model, optimizer, scheduler)
+        skipped_before, seen = engine.skipped_steps, []
+        for factor in (1.0, float("inf"), 1.0):
+            before = {name: tensor.clone() for name, tensor in engine.get_state_dict(model).items()}
+            engine.backward(model(torch.ones(4, 2)).sum() * factor)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            moved = any(not torch.equal(before[name], tensor) for name, tensor in engine.get_state_dict(model).items())
+            seen.append((moved, optimizer.step_was_skipped, engine.optimizer_step_was_skipped,
+                         round(scheduler.get_last_lr()[0], 6), scaler.get_scale()))
+    finally:
+        holder.scaler = None
+    assert seen == [(True, False, False, 0.05, 2.0 ** 10),
+                    (False, True, True, 0.05, 2.0 ** 9),  # skipped: the lr stays, the scale backs off
+                    (True, False, False, 0.033333, 2.0 ** 9)], seen
+    assert engine.skipped_steps - skipped_before == 1
