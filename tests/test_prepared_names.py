@@ -5,12 +5,16 @@ A schedule-free optimizer's train()/eval() reach it, as in Accelerate's examples
 loader's end_of_dataloader, remainder, total_dataset_length, get_sampler and set_sampler mean Accelerate's (at
 world 1 against Accelerate's own loader; across 2 ranks in tests/scripts/api_two_ranks.py)."""
 
+import contextlib
+import itertools
+
 import pytest
 import schedulefree
 import torch
 from accelerate.data_loader import DataLoaderShard
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
+from accelerate.utils import DataLoaderConfiguration
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import toolkit
@@ -46,9 +50,9 @@ def test_every_public_name_of_accelerates_prepared_objects_is_there(engine):
     for cls, obj in ((AcceleratedOptimizer, optimizer), (AcceleratedScheduler, scheduler), (DataLoaderShard, loader)):
         missing = [name for name in public(cls) if not hasattr(obj, name)]
         assert not missing, f"{engine.name}: {type(obj).__name__} lacks {missing} of {cls.__name__}"
-    if engine.name != "accelerate":  # a stateful loader is the accelerate engine's: one sentence naming it
+    if engine.name != "accelerate":  # as in Accelerate, a loader's state is a stateful loader's: one sentence
         for call in (loader.state_dict, lambda: loader.load_state_dict({})):
-            with pytest.raises(UserError, match="use the accelerate engine") as refused:
+            with pytest.raises(UserError, match=r"DataLoaderConfiguration\(use_stateful_dataloader=True\)") as refused:
                 call()
             assert "\n" not in str(refused.value)
 
@@ -160,3 +164,63 @@ def test_an_fp16_overflow_is_a_skipped_step_that_the_schedule_skips_and_the_run_
                     (False, True, True, 0.05, 2.0 ** 9),  # skipped: the lr stays, the scale backs off
                     (True, False, False, 0.033333, 2.0 ** 9)], seen
     assert engine.skipped_steps - skipped_before == 1
+
+
+@contextlib.contextmanager
+def stateful_loaders(engine):
+    """DataLoaderConfiguration(use_stateful_dataloader=True) for the loaders prepared inside (the module's engines
+    are shared, so the setting is switched on where prepare reads it and off again)."""
+    config = engine.accelerator.dataloader_config if engine.name == "accelerate" else DataLoaderConfiguration()
+    config.use_stateful_dataloader = True
+    if engine.name != "accelerate":
+        engine.dataloader_config = config
+    try:
+        yield
+    finally:
+        config.use_stateful_dataloader = False
+        if engine.name != "accelerate":
+            engine.dataloader_config = None
+
+
+def batches(iterable, count=None) -> list[list[float]]:
+    return [batch.tolist() for (batch,) in itertools.islice(iterable, count)]
+
+
+def test_a_stateful_loaders_state_resumes_its_epoch_where_it_stopped(engine, tmp_path):
+    """Accelerate's stateful loaders, on every engine: state_dict() two batches into an epoch; a new loader given
+    it by load_state_dict, and the same loader after load_state of a save_state made there, go on with the third
+    batch of that epoch, as the uninterrupted epoch does (shuffled, 10 samples in batches of 2)."""
+    engine.set_seed(3)
+    with stateful_loaders(engine):  # three loaders of one seed: one epoch's order
+        reference, loader, fresh = (engine.prepare(DataLoader(TensorDataset(torch.arange(10.0)), batch_size=2,
+                                                              shuffle=True)) for _ in range(3))
+    uninterrupted = batches(reference)
+    iterator = iter(loader)
+    assert batches(iterator, 2) == uninterrupted[:2]
+    state = loader.state_dict()
+    engine.save_state(tmp_path / "state")
+    assert batches(iterator) == uninterrupted[2:]  # the loader runs on; then a crash, and each resumes from there
+    fresh.load_state_dict(state)
+    assert batches(fresh) == uninterrupted[2:]
+    engine.load_state(tmp_path / "state")
+    assert batches(loader) == uninterrupted[2:]  # no skip_first_batches: the loader knows where it was
+
+
+def test_a_plain_engines_loader_state_carries_its_epoch_and_resumes_on_another_world(engine):
+    """Beyond Accelerate (whose state holds no epoch, so a new loader resumes the first epoch's order): the state
+    names the epoch and the samples handed out, so it resumes the right epoch, and a world whose global batches
+    tile those samples resumes it too. Shown at world 1 (global batch 4) by a state as 2 ranks of batch 4 save it
+    one step in: 8 samples, two of this world's batches."""
+    if engine.name == "accelerate":
+        pytest.skip("the accelerate engine's stateful loaders are Accelerate's own (torchdata's StatefulDataLoader)")
+    engine.set_seed(3)
+    with stateful_loaders(engine):
+        loader = engine.prepare(DataLoader(TensorDataset(torch.arange(12.0)), batch_size=4, shuffle=True))
+        fresh = engine.prepare(DataLoader(TensorDataset(torch.arange(12.0)), batch_size=4, shuffle=True))
+    first, second = batches(loader), batches(loader)
+    assert first != second  # two epochs, two orders
+    fresh.load_state_dict({"epoch": 1, "batches": 1, "samples": 8})  # 2 ranks x batch 4, one step into epoch 1
+    assert batches(fresh) == second[2:]
+    with pytest.raises(UserError, match="cannot resume exactly") as refused:
+        fresh.load_state_dict({"epoch": 1, "batches": 1, "samples": 6})  # 3 ranks x batch 2: half a batch of 4
+    assert "\n" not in str(refused.value)

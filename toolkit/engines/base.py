@@ -208,10 +208,9 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         config = self.dataloader_config
-        if config is not None and (not getattr(config, "even_batches", True) or getattr(config, "dispatch_batches", None)
-                                   or getattr(config, "use_stateful_dataloader", False)):
+        if config is not None and (not getattr(config, "even_batches", True) or getattr(config, "dispatch_batches", None)):
             raise UserError(f"the {self.name} engine shards every loader evenly on each rank (even_batches, no "
-                            f"dispatch_batches, no stateful loaders); use the accelerate engine for that dataloader_config.")
+                            f"dispatch_batches); use the accelerate engine for that dataloader_config.")
         loader = PreparedDataLoader(data_loader, self)
         self._dataloaders.append(loader)
         return loader

@@ -101,7 +101,10 @@ class CheckpointingMixin:
         self.step, state = read_rest(path, self._registries(), self.process_index, self.step)
         self.optimizer_steps = saved_optimizer_steps(state, self.optimizer_steps)
         for loader, position in zip(self._dataloaders, state.get("dataloaders", [])):
-            loader.set_position(position)
+            if loader._stateful():  # Accelerate's stateful loaders go on where they were, with no skip_first_batches
+                loader.load_state_dict(position)
+            else:
+                loader.set_position(position)
 
     # -- registered objects and hooks ------------------------------------------------------------------
     def register_for_checkpointing(self, *objects):

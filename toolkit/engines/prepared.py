@@ -173,6 +173,9 @@ class PreparedDataLoader:
         self.parent = parent  # a skip_first_batches view shares its parent's epoch counter
         self.sampler = None
         self.valid_in_batch = None
+        self.resume_batches = 0  # a stateful load_state_dict: the batches the next epoch's iteration leaves out
+        # DataLoaderConfiguration(use_stateful_dataloader=True) when prepared: state_dict / load_state_dict work
+        self.stateful = bool(getattr(engine.dataloader_config, "use_stateful_dataloader", False))
         if isinstance(loader.dataset, IterableDataset) or loader.batch_size is None:
             self.loader = loader  # nothing to re-shard: the user's dataset decides
             return
@@ -226,16 +229,42 @@ class PreparedDataLoader:
                             f"{type(sampler).__name__} has none.")
         self.sampler.order = sampler
 
-    def state_dict(self):
-        raise UserError(self._stateless("state_dict"))
+    def state_dict(self) -> dict:
+        """Accelerate's stateful loader (DataLoaderConfiguration(use_stateful_dataloader=True)): where this loader
+        stands, its epoch and the samples of the epoch's order handed out over all ranks."""
+        if not self._stateful():
+            raise UserError(self._stateless("state_dict"))
+        owner = self._owner()
+        return {"epoch": owner.epoch, "batches": owner.batches_seen,
+                "samples": owner.batches_seen * self.per_process_batch * self.engine.num_processes}
 
-    def load_state_dict(self, state_dict):
-        raise UserError(self._stateless("load_state_dict"))
+    def load_state_dict(self, state_dict: dict):
+        """The next iteration goes on in the saved epoch, after the samples it had handed out (on any number of
+        ranks whose global batches tile them)."""
+        if not self._stateful():
+            raise UserError(self._stateless("load_state_dict"))
+        self.set_position(state_dict)
+        self.resume_batches = self.batches_seen = self._batches_for(state_dict)
+
+    def _stateful(self) -> bool:
+        return self.sampler is not None and self.stateful
+
+    def _batches_for(self, state: dict) -> int:
+        if "samples" not in state:
+            return int(state.get("batches", 0))
+        per_step = self.per_process_batch * self.engine.num_processes
+        if state["samples"] % per_step:
+            raise UserError(f"the loader's state was saved {state['samples']} samples into its epoch, which "
+                            f"{self.engine.num_processes} process(es) x batch {self.per_process_batch} cannot resume "
+                            f"exactly; resume with a global batch that divides {state['samples']}.")
+        return state["samples"] // per_step
 
     def _stateless(self, method: str) -> str:
-        return (f"loader.{method}() belongs to Accelerate's stateful loaders, which the {self.engine.name} engine "
-                f"does not offer; use the accelerate engine with DataLoaderConfiguration(use_stateful_dataloader="
-                f"True), or accelerator.save_state, which keeps this loader's place in its epoch.")
+        if self.sampler is None:
+            return (f"loader.{method}() needs a loader over a map-style dataset with a batch size under the "
+                    f"{self.engine.name} engine; use the accelerate engine for a stateful loader over this one.")
+        return (f"loader.{method}() belongs to stateful loaders: build the accelerator with dataloader_config="
+                f"DataLoaderConfiguration(use_stateful_dataloader=True), as in Accelerate.")
 
     def __len__(self):
         return len(self.loader)
@@ -270,14 +299,18 @@ class PreparedDataLoader:
             self.sampler.set_epoch(owner.epoch)
         if hasattr(self.dataset, "set_epoch"):  # a dataset that seeds per-epoch augmentation, as Accelerate allows
             self.dataset.set_epoch(owner.epoch)
+        if self.resume_batches:  # after a stateful load_state_dict: this epoch, without what it had handed out
+            skip, self.resume_batches = self.resume_batches, 0
+            yield from self.skipping(skip)
+            return
         engine, seen = self.engine, self.skip_batches * (getattr(self, "per_process_batch", None) or 0)
         owner.batches_seen = self.skip_batches
-        engine.end_of_dataloader = self.end_of_dataloader = False
-        self.remainder = -1
+        engine.end_of_dataloader = self.end_of_dataloader = owner.end_of_dataloader = False
+        self.remainder = owner.remainder = -1
         if not self.base_dataloader.drop_last:
             with contextlib.suppress(TypeError):  # a dataset without a length has no remainder (Accelerate: -1)
                 length = getattr(self.dataset, "total_dataset_length", None) or len(self.dataset)  # Accelerate's rule
-                self.remainder = length % self.total_batch_size
+                self.remainder = owner.remainder = length % self.total_batch_size
         iterator = iter(self.loader)
         try:
             batch = next(iterator)
@@ -292,7 +325,7 @@ class PreparedDataLoader:
             if self.sampler is not None and size is not None:
                 self.valid_in_batch = (size, max(0, min(size, self.real_samples - seen)))
                 seen += size
-            engine.end_of_dataloader = self.end_of_dataloader = upcoming is None
+            engine.end_of_dataloader = self.end_of_dataloader = owner.end_of_dataloader = upcoming is None
             engine._active_loader = self
             owner.batches_seen += 1
             yield move_to(batch, engine.device) if engine.device_placement else batch
