@@ -18,7 +18,7 @@ from accelerate.utils import DataLoaderConfiguration
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import toolkit
-from toolkit.engines.prepared import DatasetOrder, RankShare
+from toolkit.engines.samplers import DatasetOrder, RankShare
 from toolkit.errors import UserError
 
 ENGINES = ("single", "dp", "ddp", "fsdp", "accelerate")
@@ -206,13 +206,12 @@ def test_a_stateful_loaders_state_resumes_its_epoch_where_it_stopped(engine, tmp
     assert batches(loader) == uninterrupted[2:]  # no skip_first_batches: the loader knows where it was
 
 
+@pytest.mark.parametrize("engine", [e for e in ENGINES if e != "accelerate"], indirect=True)  # Accelerate's own
 def test_a_plain_engines_loader_state_carries_its_epoch_and_resumes_on_another_world(engine):
     """Beyond Accelerate (whose state holds no epoch, so a new loader resumes the first epoch's order): the state
     names the epoch and the samples handed out, so it resumes the right epoch, and a world whose global batches
     tile those samples resumes it too. Shown at world 1 (global batch 4) by a state as 2 ranks of batch 4 save it
     one step in: 8 samples, two of this world's batches."""
-    if engine.name == "accelerate":
-        pytest.skip("the accelerate engine's stateful loaders are Accelerate's own (torchdata's StatefulDataLoader)")
     engine.set_seed(3)
     with stateful_loaders(engine):
         loader = engine.prepare(DataLoader(TensorDataset(torch.arange(12.0)), batch_size=4, shuffle=True))

@@ -8,14 +8,13 @@ meaning (tests/test_prepared_names.py compares them by `dir()`).
 from __future__ import annotations
 
 import contextlib
-import itertools
-import math
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from toolkit.errors import UserError
 
+from toolkit.engines.samplers import DatasetOrder, RankShare, SkipFirst
 from toolkit.engines.workers import stopped_at_exit
 
 
@@ -184,7 +183,7 @@ class PreparedDataLoader:
                          seed=engine.data_order_seed()),
             engine.num_processes, engine.process_index)
         self.per_process_batch = _per_process_batch(loader.batch_size, engine)
-        sampler = _SkipFirst(self.sampler, skip_batches * self.per_process_batch) if skip_batches else self.sampler
+        sampler = SkipFirst(self.sampler, skip_batches * self.per_process_batch) if skip_batches else self.sampler
         kwargs = dict(
             batch_size=self.per_process_batch,
             sampler=sampler,
@@ -348,62 +347,6 @@ def _per_process_batch(batch_size: int, engine) -> int:
         raise UserError(f"split_batches needs a batch size that {engine.num_processes} processes divide evenly, not "
                         f"{batch_size}; use a multiple of {engine.num_processes}.")
     return batch_size // engine.num_processes
-
-
-class DatasetOrder(torch.utils.data.Sampler):
-    """The whole dataset's order in an epoch: shuffled as DistributedSampler shuffles (a permutation seeded with
-    seed + epoch, the same on every rank), or in index order."""
-
-    def __init__(self, length: int, shuffle: bool, seed: int):
-        self.length, self.shuffle, self.seed, self.epoch = length, shuffle, seed, 0
-
-    def set_epoch(self, epoch: int):
-        self.epoch = epoch
-
-    def __iter__(self):
-        if not self.shuffle:
-            return iter(range(self.length))
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.length, generator=generator).tolist())
-
-    def __len__(self):
-        return self.length
-
-
-class RankShare(torch.utils.data.Sampler):
-    """One rank's share of an order, as DistributedSampler splits (drop_last=False): the order padded with its own
-    start to a multiple of the world size, then every `world`-th index from `rank`."""
-
-    def __init__(self, order, world: int, rank: int):
-        self.order, self.world, self.rank = order, world, rank
-
-    def set_epoch(self, epoch: int):
-        if hasattr(self.order, "set_epoch"):
-            self.order.set_epoch(epoch)
-
-    def __iter__(self):
-        indices = list(self.order)
-        total = len(self) * self.world
-        if indices:
-            indices += (indices * math.ceil(total / len(indices)))[:total - len(indices)]
-        return iter(indices[self.rank:total:self.world])
-
-    def __len__(self):
-        return math.ceil(len(self.order) / self.world)
-
-
-class _SkipFirst(torch.utils.data.Sampler):
-    """The sampler's indices without the first `count` (the samples of the batches a resume skips)."""
-
-    def __init__(self, sampler, count: int):
-        self.sampler, self.count = sampler, count
-
-    def __iter__(self):
-        return itertools.islice(iter(self.sampler), self.count, None)
-
-    def __len__(self):
-        return max(0, len(self.sampler) - self.count)
 
 
 def _batch_len(batch):
