@@ -38,7 +38,9 @@ class AccelerateSettingsMixin:
     data_parallel_rank = data_parallel_shard_rank = property(lambda self: self.process_index)
     # What Accelerate's settings read as here: one data-parallel dimension, even seeded loaders.
     tensor_parallel_rank = pipeline_parallel_rank = context_parallel_rank = 0
-    even_batches, dispatch_batches, use_seedable_sampler, use_stateful_dataloader, non_blocking = True, False, True, False, False
+    even_batches, dispatch_batches, use_seedable_sampler, non_blocking = True, False, True, False
+    # Accelerate's property: DataLoaderConfiguration(use_stateful_dataloader=True), which the prepared loaders honour
+    use_stateful_dataloader = property(lambda self: bool(getattr(self.dataloader_config, "use_stateful_dataloader", False)))
     parallelism_config = torch_device_mesh = deepspeed_plugin = fp8_backend = None
     is_composable_parallelism_enabled = False
 

@@ -101,7 +101,7 @@ class CheckpointingMixin:
         self.step, state = read_rest(path, self._registries(), self.process_index, self.step)
         self.optimizer_steps = saved_optimizer_steps(state, self.optimizer_steps)
         for loader, position in zip(self._dataloaders, state.get("dataloaders", [])):
-            if loader._stateful():  # Accelerate's stateful loaders go on where they were, with no skip_first_batches
+            if loader.stateful:  # Accelerate's stateful loaders go on where they were, with no skip_first_batches
                 loader.load_state_dict(position)
             else:
                 loader.set_position(position)

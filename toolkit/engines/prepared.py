@@ -12,10 +12,9 @@ import contextlib
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
-from toolkit.errors import UserError
-
 from toolkit.engines.samplers import DatasetOrder, RankShare, SkipFirst
 from toolkit.engines.workers import stopped_at_exit
+from toolkit.errors import UserError
 
 
 def move_to(batch, device):
@@ -173,8 +172,7 @@ class PreparedDataLoader:
         self.sampler = None
         self.valid_in_batch = None
         self.resume_batches = 0  # a stateful load_state_dict: the batches the next epoch's iteration leaves out
-        # DataLoaderConfiguration(use_stateful_dataloader=True) when prepared: state_dict / load_state_dict work
-        self.stateful = bool(getattr(engine.dataloader_config, "use_stateful_dataloader", False))
+        self.stateful = False  # state_dict / load_state_dict work (below)
         if isinstance(loader.dataset, IterableDataset) or loader.batch_size is None:
             self.loader = loader  # nothing to re-shard: the user's dataset decides
             return
@@ -182,6 +180,7 @@ class PreparedDataLoader:
             DatasetOrder(len(loader.dataset), shuffle=isinstance(loader.sampler, RandomSampler),
                          seed=engine.data_order_seed()),
             engine.num_processes, engine.process_index)
+        self.stateful = engine.use_stateful_dataloader
         self.per_process_batch = _per_process_batch(loader.batch_size, engine)
         sampler = SkipFirst(self.sampler, skip_batches * self.per_process_batch) if skip_batches else self.sampler
         kwargs = dict(
@@ -231,7 +230,7 @@ class PreparedDataLoader:
     def state_dict(self) -> dict:
         """Accelerate's stateful loader (DataLoaderConfiguration(use_stateful_dataloader=True)): where this loader
         stands, its epoch and the samples of the epoch's order handed out over all ranks."""
-        if not self._stateful():
+        if not self.stateful:
             raise UserError(self._stateless("state_dict"))
         owner = self._owner()
         return {"epoch": owner.epoch, "batches": owner.batches_seen,
@@ -240,13 +239,10 @@ class PreparedDataLoader:
     def load_state_dict(self, state_dict: dict):
         """The next iteration goes on in the saved epoch, after the samples it had handed out (on any number of
         ranks whose global batches tile them)."""
-        if not self._stateful():
+        if not self.stateful:
             raise UserError(self._stateless("load_state_dict"))
         self.set_position(state_dict)
         self.resume_batches = self.batches_seen = self._batches_for(state_dict)
-
-    def _stateful(self) -> bool:
-        return self.sampler is not None and self.stateful
 
     def _batches_for(self, state: dict) -> int:
         if "samples" not in state:
@@ -303,6 +299,7 @@ class PreparedDataLoader:
             yield from self.skipping(skip)
             return
         engine, seen = self.engine, self.skip_batches * (getattr(self, "per_process_batch", None) or 0)
+        real = self.real_samples if self.sampler is not None else None  # once an epoch: set_sampler may change it
         owner.batches_seen = self.skip_batches
         engine.end_of_dataloader = self.end_of_dataloader = owner.end_of_dataloader = False
         self.remainder = owner.remainder = -1
@@ -322,7 +319,7 @@ class PreparedDataLoader:
                 upcoming = None
             size = _batch_len(batch)
             if self.sampler is not None and size is not None:
-                self.valid_in_batch = (size, max(0, min(size, self.real_samples - seen)))
+                self.valid_in_batch = (size, max(0, min(size, real - seen)))
                 seen += size
             engine.end_of_dataloader = self.end_of_dataloader = owner.end_of_dataloader = upcoming is None
             engine._active_loader = self
