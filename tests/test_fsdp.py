@@ -52,7 +52,8 @@ def test_non_final_micro_steps_skip_the_reduce_scatter(check):
 def test_model_no_sync_accumulates_as_on_ddp_and_reduces_once_per_optimizer_step(check):
     """Accelerate's example gradient_accumulation_for_autoregressive_models.py accumulates with model.no_sync()."""
     assert check["no_sync_grad_none"] == [True]  # the backward inside no_sync reduce-scattered nothing
-    assert check["no_sync_diff"] <= TIGHT  # the step equals one process's on the whole global batch
+    # the step equals one process's on the whole global batch: measured 2.3e-10 (avx2) and 4.7e-10 (default kernels)
+    assert check["no_sync_diff"] <= TIGHT
 
 
 def test_full_state_dicts_round_trip_in_torch_layout(check):

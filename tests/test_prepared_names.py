@@ -85,7 +85,8 @@ def schedule_free_run(accelerator=None) -> list[float]:
 def test_a_schedule_free_optimizer_evaluates_at_its_averaged_weights_as_without_an_accelerator(engine):
     reference = schedule_free_run()
     assert reference[-1] < reference[0]  # it learned
-    # One process, the same float32 operations in the same order: the same losses, bit for bit or within 1 ulp.
+    # One process, the same float32 operations in the same order: measured bit for bit (difference 0.0) on every
+    # engine under the native avx2 kernels and under ATEN_CPU_CAPABILITY=default; rel 1e-6 allows a few ulps.
     assert schedule_free_run(engine) == pytest.approx(reference, rel=1e-6)
 
 
