@@ -5,6 +5,7 @@ evaluation metrics through gather_for_metrics. The recipes run them under every 
 import json
 import os
 import signal
+import time
 from dataclasses import replace
 
 import pytest
@@ -54,7 +55,7 @@ def test_batches_stop_at_the_epochs_last_whole_step_and_step_done_rolls_the_epoc
     assert (run.step, run.epoch, run.batch, run.images) == (4, 2, 0, 16)
 
 
-def test_the_position_maps_through_samples_to_another_world_size(accelerator, tmp_path):
+def test_the_position_maps_through_samples_to_another_world_size(accelerator, tmp_path, monkeypatch):
     """A 2-process run 6 steps into its second epoch (global batch 64, micro-batch 32: accumulation 1) resumes
     here (1 process, micro-batch 16: accumulation 4) at the same sample, with this world's accumulation."""
     state = {"step": 16, "epoch": 1, "samples_in_epoch": 6 * 64, "world_size": 2, "engine": "ddp",
@@ -65,9 +66,14 @@ def test_the_position_maps_through_samples_to_another_world_size(accelerator, tm
     run.load_state_dict(state)
     assert (run.step, run.epoch, run.batch) == (16, 1, 24)  # 6 optimizer steps of 4 micro-batches
     assert run.plan.accumulation == 4  # derived for this world, not the checkpoint's 1 (the global batch would halve)
-    saved = run.state_dict()
+    # Both read the attempt's wall time from the clock: one instant for both, so that a loaded machine (8 ms between
+    # the two calls, seen in CI with other processes running) cannot tell them apart.
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now)
+    saved, written = run.state_dict(), run.state_json()
+    monkeypatch.undo()
     assert (saved["samples_in_epoch"], saved["world_size"], saved["config"]["seed"]) == (384, 1, 5)
-    assert run.state_json() == saved  # what state.json holds
+    assert written == saved  # what state.json holds
 
 
 def test_a_resume_continues_the_records_clock_and_keeps_every_attempt(accelerator, tmp_path):
