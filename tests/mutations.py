@@ -146,6 +146,13 @@ def _no_sync_still_reduces(wrap, fsdp):
     return wrap_model
 
 
+def _reshard_ignored(read_plugin, settings):
+    import dataclasses
+
+    # The plugin's reshard_after_forward is dropped: every unit reshards after its forward, as by default.
+    return lambda plugin: dataclasses.replace(read_plugin(plugin), reshard_after_forward=True)
+
+
 def _gradients_summed(backward, base):
     return lambda self, loss, **kw: backward(self, loss * self.num_processes, **kw)
 
@@ -322,6 +329,10 @@ MUTATIONS = {
         "toolkit.engines.fsdp", "FSDPEngine._wrap_model", _no_sync_still_reduces,
         ("tests/test_fsdp.py::test_model_no_sync_accumulates_as_on_ddp_and_reduces_once_per_optimizer_step",),
         "accelerate's meaning: model.no_sync() under fsdp still reduces every micro-batch's gradients"),
+    "reshard-after-forward-ignored": Mutation(
+        "toolkit.engines.fsdp_settings", "read_plugin", _reshard_ignored,
+        ("tests/test_fsdp_settings.py::test_reshard_after_forward_false_keeps_the_gathered_weights_for_backward",),
+        "accelerate's meaning: the fsdp engine reshards after every forward whatever the FSDP plugin says"),
     "gradients-summed": Mutation(
         "toolkit.engines.base", "TorchEngine.backward", _gradients_summed,
         (f"{PARITY}::test_two_ranks_match_one_process_with_double_batch[ddp]",),

@@ -58,6 +58,9 @@ class AccelerateSettingsMixin:
         given = [k for k, v in settings.items() if v is not None]
         if dynamo_backend not in (None, "no", "NO"):
             given.append("dynamo_backend")
+        if given == ["fsdp_plugin"]:
+            raise UserError(f"the {self.name} engine cannot honour Accelerator(fsdp_plugin=...); use the fsdp engine "
+                            f"(--engine fsdp) or the accelerate engine (--engine accelerate) for it.")
         if given:
             raise UserError(f"the {self.name} engine cannot honour Accelerator({', '.join(given)}=...); use the "
                             f"accelerate engine (--engine accelerate) for it, or torch.compile the model yourself.")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -34,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from toolkit.engines.base import TorchEngine, amp_dtype
@@ -42,7 +43,9 @@ from toolkit.engines.prepared import PreparedOptimizer
 from toolkit.engines.group import ProcessGroupMixin
 from toolkit.config import listing
 from toolkit.errors import UserError
-from toolkit.engines.units import shard_units
+from toolkit.engines.units import checkpoint_modules, shard_units
+from toolkit.engines.fsdp_settings import (FSDPSettings, ignored_parameters, mixed_precision_dtype, non_persistent_buffers,
+                                           read_plugin, settings_from_profile, to_meta, wrapped_units)
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on rank 0, in CPU memory
 
@@ -50,7 +53,8 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on r
 def replicated_parameters(model: torch.nn.Module, units: list[torch.nn.Module]) -> dict[str, torch.nn.Parameter]:
     """The parameters fully_shard must leave whole (`ignored_params`), by name in the model's order: scalars (a 0-dim
     tensor has no dimension to split) and parameters that more than one unit uses, the root counting as one
-    (each unit's fully_shard would replace a tied weight by a shard of its own, untying it).
+    (each unit's fully_shard would replace a tied weight by a shard of its own, untying it). A parameter belongs
+    to the innermost unit around the module that registers it, so nested units (size-based wrapping) share none.
 
     >>> lm = torch.nn.ModuleDict({"embed": torch.nn.Embedding(5, 4), "head": torch.nn.Linear(4, 5)})
     >>> lm.head.weight = lm.embed.weight
@@ -58,21 +62,24 @@ def replicated_parameters(model: torch.nn.Module, units: list[torch.nn.Module]) 
     >>> list(replicated_parameters(lm, shard_units(lm)))
     ['temperature', 'embed.weight']
     """
-    owners: dict[torch.nn.Parameter, set[int]] = {}
-    registrations: dict[torch.nn.Parameter, int] = {}
-    for index, unit in enumerate(units):
-        for _, param in unit.named_parameters(remove_duplicate=False):
-            owners.setdefault(param, set()).add(index)
-            registrations[param] = registrations.get(param, 0) + 1
-    for _, param in model.named_parameters(remove_duplicate=False):
-        registrations[param] = registrations.get(param, 0) - 1
-        if registrations[param] < 0:  # registered outside every unit: the root uses it too
-            owners.setdefault(param, set()).add(-1)
+    unit_ids = {id(unit) for unit in units}
+    # Every place a unit is registered, longest (innermost) first: a module's owner is the first that prefixes it.
+    prefixes = sorted((name + "." for name, m in model.named_modules(remove_duplicate=False) if id(m) in unit_ids),
+                      key=len, reverse=True)
+    owners: dict[torch.nn.Parameter, set[str]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        owner = next((p for p in prefixes if (module_name + ".").startswith(p)), "")
+        for _, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(param, set()).add(owner)
     return {name: p for name, p in model.named_parameters() if p.ndim == 0 or len(owners.get(p, ())) > 1}
 
 
 def fsdp_modules(model):
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+# Each unit's reshard_after_forward, for full_parameters to put back (FSDP2 has no getter).
+_RESHARD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
@@ -87,7 +94,7 @@ def full_parameters(model):
         yield
     finally:
         for unit in units:
-            unit.set_reshard_after_forward(True, recurse=False)
+            unit.set_reshard_after_forward(_RESHARD.get(unit, True), recurse=False)
             unit.reshard()
 
 
@@ -210,8 +217,16 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
     distributed_type = "FSDP"  # Accelerate's DistributedType value
     is_fsdp2 = True
 
-    def __init__(self, env, **kwargs):
-        super().__init__(env, **kwargs)
+    def __init__(self, env, *, fsdp_plugin=None, checkpoint_format: str | None = None, **kwargs):
+        # Accelerate's forms (engines/fsdp_settings.py): the plugin given, else the one an FSDP profile makes.
+        settings = read_plugin(fsdp_plugin) if fsdp_plugin is not None else (
+            settings_from_profile() if env.accelerate_fsdp else None)
+        if settings is not None and checkpoint_format not in (None, settings.checkpoint_format):
+            raise UserError(f"checkpoint_format {checkpoint_format!r} contradicts the FSDP plugin's state_dict_type "
+                            f"{settings.state_dict_type}; set one of them.")
+        super().__init__(env, checkpoint_format=checkpoint_format or (settings.checkpoint_format if settings else "full"),
+                         **kwargs)
+        self.fsdp_plugin, self.fsdp_settings = fsdp_plugin, settings
         self._mesh = init_device_mesh(self.device.type, (self._world,))
         self._swapped = {}  # original parameter -> its sharded replacement (optimizers built before prepare)
         self._models = []
@@ -221,33 +236,63 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
         # Not the base's autocast: MixedPrecisionPolicy casts the gathered parameters instead. It does not
         # reach the replicated ones: where there are some, autocast casts them (a tied fp32 head would meet
         # bf16 activations), and hands them fp32 gradients, as the policy does for the sharded ones.
-        model = self._wrap_model(model.to(self.device))
-        dtype = amp_dtype(self.mixed_precision)
+        efficient = self.fsdp_settings is not None and self.fsdp_settings.cpu_ram_efficient_loading
+        model = self._wrap_model(model if efficient else model.to(self.device))  # meta weights stay there until sharded
+        dtype = mixed_precision_dtype(self.fsdp_settings, amp_dtype(self.mixed_precision))
         if dtype is not None and self._syncs[model].replicated:
             model.forward = _autocast(model.forward, self.device.type, dtype)
         return model
 
     def _wrap_model(self, model):
+        settings = self.fsdp_settings or FSDPSettings(reshard_after_forward=None)  # None: fully_shard's own default
         names = {p: name for name, p in model.named_parameters()}
         dtype = amp_dtype(self.mixed_precision)
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
-                                      output_dtype=torch.float32 if dtype else None)
-        if self._world > 1:
+        policy = settings.mixed_precision_policy or MixedPrecisionPolicy(
+            param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None, output_dtype=torch.float32 if dtype else None)
+        # Without settings, each block is a unit (shard_units); with Accelerate's, its wrap policy picks them.
+        units = (shard_units(model) if self.fsdp_settings is None
+                 else wrapped_units(model, settings.wrap) if settings.wrap is not None else [])
+        if settings.activation_checkpointing:
+            if settings.wrap is None:
+                raise UserError("activation_checkpointing checkpoints the modules the auto_wrap_policy picks; set "
+                                "auto_wrap_policy (transformer_based_wrap or size_based_wrap) with it.")
+            checkpoint_modules(units)
+        replicated_by_name = replicated_parameters(model, units)
+        ignored = set(ignored_parameters(model, settings.ignored_modules))
+        replicated = [p for p in model.parameters() if p in ignored or any(p is q for q in replicated_by_name.values())]
+        if replicated and self.scaler is not None:
+            # torch's GradScaler checks a step's gradients in one call that must be all sharded or all whole.
+            whole = [name for name, p in model.named_parameters() if any(p is q for q in replicated)]
+            raise UserError(f"the fsdp engine cannot train fp16 with parameters it keeps whole ({listing(whole, 3)}: "
+                            f"scalars, tied weights or ignored_modules); use bf16, or the ddp engine for fp16.")
+        full, kept = {}, {}
+        if settings.cpu_ram_efficient_loading:
+            # Accelerate's: only the main process holds real weights; the others may have built the model on the
+            # meta device. Sharding happens on meta, then rank 0's weights are scattered into the shards.
+            full = model.state_dict() if self.is_main_process else {}
+            kept = non_persistent_buffers(model)
+            moved = to_meta(model)
+            replicated = [moved.get(p, p) for p in replicated]
+        elif self._world > 1:
             # As DDP does when it wraps: every rank starts from rank 0's weights (ranks seeded apart
             # initialise differently, and fully_shard would keep each rank's own slice of its own init).
             with torch.no_grad():
                 for tensor in model.state_dict().values():
                     dist.broadcast(tensor, src=0)
-        units = shard_units(model)
-        replicated = list(replicated_parameters(model, units).values())
-        if replicated and self.scaler is not None:
-            # torch's GradScaler checks a step's gradients in one call that must be all sharded or all whole.
-            names = list(replicated_parameters(model, units))
-            raise UserError(f"the fsdp engine cannot train fp16 with parameters it keeps whole ({listing(names, 3)}: "
-                            f"scalars or tied weights); use bf16, or the ddp engine for fp16.")
+        kwargs = dict(mesh=self._mesh, mp_policy=policy, ignored_params=set(replicated),
+                      offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if settings.cpu_offload
+                      else OffloadPolicy())
         for unit in units:
-            fully_shard(unit, mesh=self._mesh, mp_policy=policy, ignored_params=set(replicated))
-        fully_shard(model, mesh=self._mesh, mp_policy=policy, ignored_params=set(replicated))
+            fully_shard(unit, reshard_after_forward=settings.reshard_after_forward, **kwargs)
+            if settings.reshard_after_forward is not None:
+                _RESHARD[unit] = settings.reshard_after_forward
+        fully_shard(model, **kwargs)
+        if settings.cpu_ram_efficient_loading:
+            model.to_empty(device=self.device)
+            for name, buffer in kept.items():  # not in a state dict: each rank's own, as before
+                owner, _, leaf = name.rpartition(".")
+                model.get_submodule(owner).register_buffer(leaf, buffer.to(self.device), persistent=False)
+            set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         self._syncs[model] = GradientSync(model, replicated, self._world)
         # DDP's name, which FSDP2 lacks: a script that accumulates with `model.no_sync()` (as on DDP and FSDP1)
         # keeps each micro-batch's gradients on its rank until a backward outside it reduces them all.
@@ -321,9 +366,14 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
         return full_parameters(model)
 
     def get_state_dict(self, model, unwrap: bool = True):
-        """The full, unsharded state dict on the main process (a collective: call it on every rank; the
-        others get an empty dict)."""
-        return get_model_state_dict(self.unwrap_model(model), options=FULL)
+        """The full, unsharded state dict on the main process, in CPU memory (a collective: call it on every rank;
+        the others get an empty dict). An FSDP plugin's state_dict_config with rank0_only=False hands it to every
+        rank, and offload_to_cpu=False leaves it on the device."""
+        settings = self.fsdp_settings
+        if settings is None or settings.rank0_only:
+            return get_model_state_dict(self.unwrap_model(model), options=FULL)
+        full = get_model_state_dict(self.unwrap_model(model), options=StateDictOptions(full_state_dict=True))
+        return {k: v.cpu() for k, v in full.items()} if settings.offload_to_cpu else full
 
     def load_full_state_dict(self, model, state_dict):
         """Load a full state dict (every rank holds it) into the sharded model: each keeps its shards."""

@@ -28,7 +28,7 @@ from toolkit.errors import UserError
 from toolkit.launch import rendezvous
 from toolkit.launch.engine_specs import engine_spec, engines_where
 from toolkit.launch.env import launch_engine, read_launch_env
-from toolkit.launch.profiles import Profile, check_profile, load_profile
+from toolkit.launch.profiles import Profile, check_profile, fsdp_environment, load_profile
 from toolkit.launch.rendezvous import MULTI_NODE_PORT
 from toolkit.launch.topology import topology_overrides
 
@@ -217,6 +217,8 @@ def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus:
         return LaunchPlan(command + node_args + list(script_and_args), env, tuple(notes), 0 if multi else max_restarts,
                           agent_here=multi and profile.num_machines == 1)
     if spec.launcher == "torchrun":
+        if spec.shards:  # the fsdp engine honours the profile's fsdp_config, as accelerate launch hands it over
+            env.update(fsdp_environment(profile))
         command = _torchrun_command(profile, max_restarts, notes)
         return LaunchPlan(command + node_args + list(script_and_args), env, tuple(notes),
                           agent_here=profile.num_machines == 1)

@@ -117,3 +117,20 @@ def check_profile(profile: Profile):
         raise UserError(f"{profile.path}: main_process_port {port} is outside 0..65535.")
     if profile.rdzv_backend not in ("static", "c10d"):
         raise UserError(f"{profile.path}: rdzv_backend must be static or c10d, not {profile.rdzv_backend!r}.")
+
+
+def fsdp_environment(profile: Profile) -> dict[str, str]:
+    """The variables `accelerate launch` hands its processes for an FSDP profile's fsdp_config (ACCELERATE_USE_FSDP
+    and FSDP_*), made by accelerate's own launch code, so that `toolkit launch --engine fsdp` gives the fsdp
+    engine the settings accelerate launch would (toolkit/engines/fsdp_settings.py reads them). Empty otherwise."""
+    if profile.distributed_type != "FSDP":
+        return {}
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    try:
+        args = _validate_launch_command(launch_command_parser().parse_args(["--config_file", profile.path, "-"]))[0]
+        variables = prepare_multi_gpu_env(args)
+    except (ValueError, TypeError, KeyError) as error:
+        raise UserError(f"accelerate rejected the fsdp_config of {profile.path}: {' '.join(str(error).split())}") from None
+    return {k: v for k, v in variables.items() if k.startswith("FSDP_") or k == "ACCELERATE_USE_FSDP"}

@@ -67,6 +67,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    _no_split_modules = ["Block"]  # transformers' convention: the blocks an FSDP profile shards one by one
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         if cfg.n_embd % cfg.n_head:

@@ -42,6 +42,8 @@ class ResNet18(nn.Module):
     """ResNet-18 for 32x32 images: 3x3 stride-1 stem and no max-pool, since the ImageNet stem
     (7x7 stride 2 + pool) would shrink a CIFAR image to 8x8 before the first block."""
 
+    _no_split_modules = ["BasicBlock"]  # transformers' convention: the blocks an FSDP profile shards one by one
+
     def __init__(self, num_classes: int = 10):
         super().__init__()
         self.stem = nn.Sequential(
@@ -92,7 +94,7 @@ def resnet9(num_classes: int = 10) -> nn.Module:
     The logits are multiplied by 0.125 because the global max-pool gives large activations;
     Page found the scaled head trains stably at high learning rates.
     """
-    return nn.Sequential(
+    model = nn.Sequential(
         _conv_bn(3, 64),
         _conv_bn(64, 128), nn.MaxPool2d(2), _Residual(128),
         _conv_bn(128, 256), nn.MaxPool2d(2),
@@ -100,6 +102,8 @@ def resnet9(num_classes: int = 10) -> nn.Module:
         nn.AdaptiveMaxPool2d(1), nn.Flatten(),
         nn.Linear(512, num_classes, bias=False), _Scale(0.125),
     )
+    model._no_split_modules = ["_Residual"]  # as ResNet18's: the residual blocks an FSDP profile shards one by one
+    return model
 
 
 def tiny(num_classes: int = 10) -> nn.Module:
