@@ -153,6 +153,11 @@ def _reshard_ignored(read_plugin, settings):
     return lambda plugin: dataclasses.replace(read_plugin(plugin), reshard_after_forward=True)
 
 
+def _compiled_keys_saved(get_state_dict, base):
+    # The state dict of the compiled wrapper (Accelerate's unwrap default keeps it): every key gains `_orig_mod.`.
+    return lambda self, model, unwrap=True: self.unwrap_model(model).state_dict()
+
+
 def _gradients_summed(backward, base):
     return lambda self, loss, **kw: backward(self, loss * self.num_processes, **kw)
 
@@ -333,6 +338,10 @@ MUTATIONS = {
         "toolkit.engines.fsdp_settings", "read_plugin", _reshard_ignored,
         ("tests/test_fsdp_settings.py::test_reshard_after_forward_false_keeps_the_gathered_weights_for_backward",),
         "accelerate's meaning: the fsdp engine reshards after every forward whatever the FSDP plugin says"),
+    "compiled-weights-saved-with-orig-mod": Mutation(
+        "toolkit.engines.base", "TorchEngine.get_state_dict", _compiled_keys_saved,
+        ("tests/test_compile.py::test_the_compiled_runs_checkpoint_resumes_an_uncompiled_run",),
+        "checkpoints: a compiled model's weights are saved as `_orig_mod.*`, which an uncompiled run cannot load"),
     "gradients-summed": Mutation(
         "toolkit.engines.base", "TorchEngine.backward", _gradients_summed,
         (f"{PARITY}::test_two_ranks_match_one_process_with_double_batch[ddp]",),

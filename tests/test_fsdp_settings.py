@@ -159,3 +159,10 @@ def test_ignored_modules_stay_whole_on_every_rank_and_train_as_the_rest(check):
     ignored, plain = cases(check, "ignored_modules", "transformer")
     assert (ignored["head_sharded"], plain["head_sharded"]) == (False, True)
     assert ignored["max_diff"] <= TIGHT  # averaged over the ranks, as DDP does, where FSDP2 alone would not
+
+
+def test_dynamo_backend_compiles_the_sharded_model(check):
+    # Accelerate's Accelerator(dynamo_backend=...) under FSDP2; FSDP's own hooks stay outside the graphs.
+    compiled, plain = cases(check, "compiled", "transformer")
+    assert (compiled["prepared"], compiled["compiled_graphs"] > 0) == ("OptimizedModule", True)
+    assert (plain["prepared"], plain["compiled_graphs"]) == ("FSDPNet", 0)

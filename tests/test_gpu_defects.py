@@ -142,6 +142,22 @@ def test_dp_compiled_model_is_replicated_uncompiled(fake_cuda, monkeypatch, caps
     assert DataParallelEngine is type(engine)
 
 
+def test_dp_engine_refuses_to_compile_in_prepare_over_several_gpus(fake_cuda, monkeypatch):
+    # Accelerator(dynamo_backend=...) would compile the module DataParallel replicates every step.
+    from toolkit.errors import UserError
+
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    fake_cuda(2)
+    with pytest.raises(UserError, match="the dp engine cannot compile over 2 GPUs"):
+        toolkit_build("dp", dynamo_backend="inductor")
+
+
+def toolkit_build(name, **kwargs):
+    import toolkit
+
+    return toolkit.build_accelerator(name, **kwargs)
+
+
 def _two_gpu_dataparallel(fake_cuda, monkeypatch):
     fake_cuda(2)  # after the engine is built on the CPU: only DataParallel's constructor sees two GPUs
     import sys

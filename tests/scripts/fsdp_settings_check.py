@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import FullyShardedDataParallelPlugin as Plugin
 from torch import nn
+from torch._dynamo.utils import counters
 from torch.distributed.fsdp import FullStateDictConfig, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
@@ -82,6 +83,7 @@ def run_case(plugin=None, meta_on_rank_1=False, **kwargs):
         model = Net()
         if rank == 0:
             model.load_state_dict(initial)
+    graphs_before = counters["stats"]["unique_graphs"]
     model, optimizer = accelerator.prepare(model, sgd(model.parameters()))
     seen = {"dtypes": set(), "lin1_calls": 0}
 
@@ -115,6 +117,8 @@ def run_case(plugin=None, meta_on_rank_1=False, **kwargs):
         if state else None,
         "checkpoint_format": accelerator.checkpoint_format,
         "head_sharded": isinstance(model.head.weight, DTensor),
+        "compiled_graphs": counters["stats"]["unique_graphs"] - graphs_before,
+        "prepared": type(model).__name__,
     }
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(accelerator.gather_object([tmp])[0]) / "ckpt"
@@ -160,6 +164,7 @@ results.update({
     "cpu_offload": run_case(Plugin(**BLOCKS, cpu_offload=True)),
     "sharded": run_case(Plugin(**BLOCKS, state_dict_type="SHARDED_STATE_DICT")),
     "ignored_modules": run_case(Plugin(**BLOCKS, ignored_modules="head")),
+    "compiled": run_case(Plugin(**BLOCKS), dynamo_backend="inductor"),
     "cpu_ram_efficient_loading": run_case(Plugin(**BLOCKS, cpu_ram_efficient_loading=True), meta_on_rank_1=True),
 })
 clear_fsdp_variables()

@@ -133,7 +133,7 @@ class ParityRecorder:
     # -- internals -----------------------------------------------------------------------------------
     def _watch_model(self, model):
         self.models.append(model)
-        module = self.engine.unwrap_model(model)
+        module = self.engine.unwrap_model(model, keep_torch_compile=False)
         handles = []
 
         def first_training_forward(layer, args):
@@ -183,7 +183,7 @@ class ParityRecorder:
         if engine.is_main_process:
             for index, (model, state) in enumerate(zip(self.models, states)):
                 save_model(state, self.directory / MODEL_FILE.format(index=index))
-                module = engine.unwrap_model(model)
+                module = engine.unwrap_model(model, keep_torch_compile=False)
                 self.buffer_names += [f"model{index}.{name}" if index else name for name, _ in module.named_buffers()]
             (self.directory / RECORD_FILE).write_text(json.dumps(self.record(), indent=1))
             engine.print(f"[toolkit] parity: stopped after {self.steps} optimizer steps as asked; "

@@ -13,7 +13,7 @@ from toolkit.errors import UserError
 
 # Accelerator(...) settings a plain-PyTorch engine cannot honour: refused (with a non-default value) in one sentence.
 ACCELERATE_ONLY = ("deepspeed_plugin", "deepspeed_plugins", "fsdp_plugin", "torch_tp_plugin", "megatron_lm_plugin",
-                   "dynamo_plugin", "parallelism_config")
+                   "parallelism_config")
 # Accelerator attributes that belong to features these engines do not run: reading one is refused in one
 # sentence (an AttributeError too, so hasattr() stays False), never a bare AttributeError.
 ACCELERATE_ONLY_ATTRIBUTES = ("state", "gradient_state", "deepspeed_engine_wrapped", "deepspeed_config",
@@ -51,19 +51,17 @@ class AccelerateSettingsMixin:
     def verify_device_map(self, model) -> bool:
         return False  # no big-model device map: each engine places the whole model itself
 
-    def _refuse_accelerate_only(self, settings: dict, dynamo_backend):
+    def _refuse_accelerate_only(self, settings: dict):
         unknown = [k for k in settings if k not in ACCELERATE_ONLY]
         if unknown:
             raise TypeError(f"Accelerator() got unexpected keyword argument(s) {', '.join(unknown)}")
         given = [k for k, v in settings.items() if v is not None]
-        if dynamo_backend not in (None, "no", "NO"):
-            given.append("dynamo_backend")
         if given == ["fsdp_plugin"]:
             raise UserError(f"the {self.name} engine cannot honour Accelerator(fsdp_plugin=...); use the fsdp engine "
                             f"(--engine fsdp) or the accelerate engine (--engine accelerate) for it.")
         if given:
             raise UserError(f"the {self.name} engine cannot honour Accelerator({', '.join(given)}=...); use the "
-                            f"accelerate engine (--engine accelerate) for it, or torch.compile the model yourself.")
+                            f"accelerate engine (--engine accelerate) for it.")
 
     def _read_handlers(self, handlers, timeout):
         """Accelerate's kwargs handlers, read by class name (this engine does not import accelerate)."""

@@ -30,6 +30,7 @@ from toolkit.engines.tracking import TrackingMixin, check_trackers
 from toolkit.engines.prepared import (PreparedDataLoader, PreparedOptimizer, PreparedScheduler, has_gradients,
                                       map_tensors)
 from toolkit.checkpoint.weights import unwrap_model
+from toolkit.engines.compiling import compile_model, compile_settings, compiled_around, uncompiled
 
 MIXED_PRECISION = ("no", "fp16", "bf16")
 
@@ -75,8 +76,10 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
                  checkpoint_format: str = "full",  # save_state's: "full", or "sharded" (each rank its own shards)
                  device_placement: bool = True, dataloader_config=None, log_with=None, project_dir=None,
                  project_config=None, gradient_accumulation_plugin=None, kwargs_handlers=None, rng_types=None,
-                 dynamo_backend=None, **accelerate_only):
-        self._refuse_accelerate_only(accelerate_only, dynamo_backend)
+                 dynamo_backend=None, dynamo_plugin=None, **accelerate_only):
+        self._refuse_accelerate_only(accelerate_only)
+        # Compiled in prepare, as Accelerate does (engines/compiling.py): asked in code, or by the profile.
+        self.compile_settings = compile_settings(dynamo_backend, dynamo_plugin, env.accelerate_dynamo)
         mixed_precision = (mixed_precision or env.mixed_precision or "no").lower()
         if mixed_precision not in MIXED_PRECISION:
             raise UserError(f"mixed_precision must be one of {', '.join(MIXED_PRECISION)}, not {mixed_precision!r}.")
@@ -189,7 +192,9 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
         return obj  # anything else (a custom loader, a config) passes through untouched
 
     def prepare_model(self, model: torch.nn.Module, device_placement=None, evaluation_mode: bool = False):
-        model = self._wrap_model(model.to(self.device))
+        # Compiled inside the engine's wrapper: torch 2.14 compiles nothing of a DDP module on CPU (its forward
+        # is marked not to be traced), where Accelerate compiles over it.
+        model = self._wrap_model(compile_model(model.to(self.device), self.compile_settings))
         dtype = amp_dtype(self.mixed_precision)
         if dtype is not None:
             model.forward = _autocast_forward(model.forward, self.device.type, dtype)
@@ -219,7 +224,9 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
         return model
 
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
-        return unwrap_model(model)
+        """The plain module inside every wrapper; Accelerate's default (keep_torch_compile) keeps it compiled."""
+        plain = unwrap_model(model)
+        return compiled_around(plain, model) if keep_torch_compile else plain
 
     def gathered_parameters(self, model):
         """The model's full parameters on every rank until exit: a replicated model holds them already."""
@@ -228,7 +235,7 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
     def get_state_dict(self, model, unwrap: bool = True):
         """Accelerate's name: the model's full state dict on the main process (a replicated model holds it
         whole on every rank; the fsdp engine gathers its shards). Call it on every rank."""
-        return self.unwrap_model(model).state_dict()
+        return self.unwrap_model(model, keep_torch_compile=False).state_dict()
 
     def skip_first_batches(self, dataloader, num_batches: int = 0):
         """The loader's current epoch without its first `num_batches` batches (they are not even loaded):
@@ -245,7 +252,7 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
         with contextlib.ExitStack() as stack:
             if not self.sync_gradients:
                 for model in models:
-                    stack.enter_context(self._no_sync(model))
+                    stack.enter_context(self._no_sync(uncompiled(model)))
             yield
 
     def _do_sync(self):
@@ -257,7 +264,7 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
 
     @contextlib.contextmanager
     def no_sync(self, model):
-        with self._no_sync(model):
+        with self._no_sync(uncompiled(model)):
             yield
 
     def _no_sync(self, model):
@@ -266,7 +273,7 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
     @contextlib.contextmanager
     def trigger_sync_in_backward(self, model):
         """Sync gradients in the next backward even if the forward ran under no_sync (Accelerate's call)."""
-        with self._trigger_sync(model):
+        with self._trigger_sync(uncompiled(model)):
             yield
 
     def _trigger_sync(self, model):

@@ -5,11 +5,10 @@ process sees are exactly the ones asked for. DataParallel wants the module on `d
 is wrapped, and gathers outputs there.
 """
 
-import sys
-
 import torch
 
 from toolkit.engines.base import TorchEngine, amp_dtype
+from toolkit.engines.compiling import compile_model, uncompiled
 from toolkit.errors import UserError
 
 
@@ -29,11 +28,6 @@ class AutocastModule(torch.nn.Module):
             return self.module(*args, **kwargs)
 
 
-def _uncompiled(model):
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    return model._orig_mod if eval_frame and isinstance(model, eval_frame.OptimizedModule) else model
-
-
 class DataParallelEngine(TorchEngine):
     name = "dp"
 
@@ -47,19 +41,27 @@ class DataParallelEngine(TorchEngine):
         self.device_ids = list(range(torch.cuda.device_count())) if self.device.type == "cuda" else []
         if not self.device_ids:
             print("[toolkit] dp engine: no GPU visible, running on one CPU device.")
+        # Compiled inside DataParallel (its one replica is the module itself), not over it.
+        self._compile_inside, self.compile_settings = self.compile_settings, None
+        if self._compile_inside is not None and len(self.device_ids) > 1:
+            raise UserError(f"the dp engine cannot compile over {len(self.device_ids)} GPUs: DataParallel's replicas "
+                            f"of a compiled module run the original; use --engine ddp to compile, or drop "
+                            f"dynamo_backend.")
 
     def _wrap_model(self, model):
         # With no device ids DataParallel is a plain pass-through wrapper: same code path, one device.
         if not self.device_ids:
-            return torch.nn.DataParallel(model)
+            return torch.nn.DataParallel(compile_model(model, self._compile_inside))
         if len(self.device_ids) > 1:
             model = self._replicable(model)
+        else:
+            model = compile_model(model, self._compile_inside)
         return torch.nn.DataParallel(model, device_ids=self.device_ids, output_device=self.device_ids[0])
 
     def _replicable(self, model):
         """What DataParallel may replicate every step: the plain module (replicas of a compiled one write
         through into the original and replace its layers), with autocast inside each replica."""
-        plain = _uncompiled(model)
+        plain = uncompiled(model)
         if plain is not model:
             print(f"[toolkit] dp engine: torch.compile does not survive DataParallel's replication over "
                   f"{len(self.device_ids)} GPUs; the model runs uncompiled (--engine ddp compiles it).")

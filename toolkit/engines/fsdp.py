@@ -38,7 +38,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from toolkit.engines.base import TorchEngine, amp_dtype
+from toolkit.engines.base import TorchEngine, _autocast_forward, amp_dtype
+from toolkit.engines.compiling import compile_model, uncompiled
 from toolkit.engines.prepared import PreparedOptimizer
 from toolkit.engines.group import ProcessGroupMixin
 from toolkit.config import listing
@@ -240,7 +241,9 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
         model = self._wrap_model(model if efficient else model.to(self.device))  # meta weights stay there until sharded
         dtype = mixed_precision_dtype(self.fsdp_settings, amp_dtype(self.mixed_precision))
         if dtype is not None and self._syncs[model].replicated:
-            model.forward = _autocast(model.forward, self.device.type, dtype)
+            model.forward = _autocast_forward(model.forward, self.device.type, dtype)
+        if self.compile_settings is not None and not self.compile_settings.regional:
+            model = compile_model(model, self.compile_settings)  # over the sharded root, as Accelerate compiles last
         return model
 
     def _wrap_model(self, model):
@@ -249,14 +252,7 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
         dtype = amp_dtype(self.mixed_precision)
         policy = settings.mixed_precision_policy or MixedPrecisionPolicy(
             param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None, output_dtype=torch.float32 if dtype else None)
-        # Without settings, each block is a unit (shard_units); with Accelerate's, its wrap policy picks them.
-        units = (shard_units(model) if self.fsdp_settings is None
-                 else wrapped_units(model, settings.wrap) if settings.wrap is not None else [])
-        if settings.activation_checkpointing:
-            if settings.wrap is None:
-                raise UserError("activation_checkpointing checkpoints the modules the auto_wrap_policy picks; set "
-                                "auto_wrap_policy (transformer_based_wrap or size_based_wrap) with it.")
-            checkpoint_modules(units)
+        units = self._units(model, settings)
         replicated_by_name = replicated_parameters(model, units)
         ignored = set(ignored_parameters(model, settings.ignored_modules))
         replicated = [p for p in model.parameters() if p in ignored or any(p is q for q in replicated_by_name.values())]
@@ -304,6 +300,21 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
             model.register_forward_pre_hook(self._broadcast_buffers)
         return model
 
+    def _units(self, model, settings: FSDPSettings) -> list[torch.nn.Module]:
+        """The modules sharded one by one before the root: without settings each block (shard_units), with
+        Accelerate's those its wrap policy picks, checkpointed when it asks; compiled region by region first when
+        asked (in place, so FSDP's hooks stay outside the graphs)."""
+        units = (shard_units(model) if self.fsdp_settings is None
+                 else wrapped_units(model, settings.wrap) if settings.wrap is not None else [])
+        if settings.activation_checkpointing:
+            if settings.wrap is None:
+                raise UserError("activation_checkpointing checkpoints the modules the auto_wrap_policy picks; set "
+                                "auto_wrap_policy (transformer_based_wrap or size_based_wrap) with it.")
+            checkpoint_modules(units)
+        if self.compile_settings is not None and self.compile_settings.regional:
+            compile_model(model, self.compile_settings)
+        return units
+
     def _broadcast_buffers(self, model, args):
         if model.training and torch.is_grad_enabled() and self.sync_gradients:
             for buffer in model.buffers():
@@ -325,7 +336,7 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
         owners = [m for m in self._models if any(p is first for p in m.parameters())]
         if not owners:
             raise UserError("prepare the model together with (or before) its optimizer under the fsdp engine.")
-        prepared = FSDPOptimizer(optimizer, self, owners[0])
+        prepared = FSDPOptimizer(optimizer, self, uncompiled(owners[0]))
         self._optimizers.append(prepared)
         return prepared
 
@@ -371,20 +382,11 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
         rank, and offload_to_cpu=False leaves it on the device."""
         settings = self.fsdp_settings
         if settings is None or settings.rank0_only:
-            return get_model_state_dict(self.unwrap_model(model), options=FULL)
-        full = get_model_state_dict(self.unwrap_model(model), options=StateDictOptions(full_state_dict=True))
+            return get_model_state_dict(self.unwrap_model(model, keep_torch_compile=False), options=FULL)
+        full = get_model_state_dict(self.unwrap_model(model, keep_torch_compile=False), options=StateDictOptions(full_state_dict=True))
         return {k: v.cpu() for k, v in full.items()} if settings.offload_to_cpu else full
 
     def load_full_state_dict(self, model, state_dict):
         """Load a full state dict (every rank holds it) into the sharded model: each keeps its shards."""
         # A copy: set_model_state_dict puts the shards it makes into the dict it is given.
-        set_model_state_dict(self.unwrap_model(model), dict(state_dict), options=StateDictOptions(full_state_dict=True))
-
-
-def _autocast(forward, device_type, dtype):
-    @functools.wraps(forward)
-    def run(*args, **kwargs):
-        with torch.autocast(device_type=device_type, dtype=dtype):
-            return forward(*args, **kwargs)  # FSDP's output_dtype hands back float32 after this returns
-
-    return run
+        set_model_state_dict(self.unwrap_model(model, keep_torch_compile=False), dict(state_dict), options=StateDictOptions(full_state_dict=True))

@@ -53,6 +53,7 @@ class LaunchEnv:
     allocated_nodes: int = 1  # SLURM_JOB_NUM_NODES: nodes in the allocation, inside a step or not
     gloo_socket_ifname: str | None = None  # GLOO_SOCKET_IFNAME: the interface gloo binds to
     accelerate_fsdp: bool = False  # ACCELERATE_USE_FSDP: `accelerate launch` read a profile asking for FSDP
+    accelerate_dynamo: bool = False  # ACCELERATE_DYNAMO_BACKEND (not NO): the profile's dynamo_config compiles
     use_cpu: bool = False  # ACCELERATE_USE_CPU: the profile asked for the CPU, GPUs or not
     parity_dir: str | None = None  # TOOLKIT_PARITY_DIR: `toolkit parity` started this run to record K steps
     debug_nan_step: int | None = None  # TOOLKIT_DEBUG_NAN_STEP: tests put a NaN in this step's loss on rank 0
@@ -266,6 +267,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
         allocated_nodes=_int(environ, "SLURM_JOB_NUM_NODES", "SLURM_NNODES", default=1),
         gloo_socket_ifname=environ.get("GLOO_SOCKET_IFNAME") or None,
         accelerate_fsdp=environ.get("ACCELERATE_USE_FSDP", "").lower() == "true",
+        accelerate_dynamo=environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower() != "no",
         use_cpu=use_cpu,
         parity_dir=environ.get("TOOLKIT_PARITY_DIR") or None,
         debug_nan_step=_int(environ, "TOOLKIT_DEBUG_NAN_STEP"),

@@ -28,7 +28,7 @@ from toolkit.errors import UserError
 from toolkit.launch import rendezvous
 from toolkit.launch.engine_specs import engine_spec, engines_where
 from toolkit.launch.env import launch_engine, read_launch_env
-from toolkit.launch.profiles import Profile, check_profile, fsdp_environment, load_profile
+from toolkit.launch.profiles import Profile, accelerate_environment, check_profile, load_profile
 from toolkit.launch.rendezvous import MULTI_NODE_PORT
 from toolkit.launch.topology import topology_overrides
 
@@ -209,6 +209,9 @@ def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus:
             # did not fail) keeps its restart count: the old round's keys and mismatched per-attempt prefixes
             # would meet in it. A fresh store per round, hosted by the new rank 0, leaves nothing stale.
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if min_nodes or spec.launcher != "accelerate":  # accelerate launch hands them over itself
+        # The profile's dynamo_config, and an FSDP profile's fsdp_config for the engines that shard by it.
+        env.update(accelerate_environment(profile, fsdp=spec.shards or spec.accelerator))
     if min_nodes:
         command = _torchrun_command(profile, max_restarts, notes, min_nodes)
         return LaunchPlan(command + node_args + list(script_and_args), env, tuple(notes))
@@ -217,8 +220,6 @@ def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus:
         return LaunchPlan(command + node_args + list(script_and_args), env, tuple(notes), 0 if multi else max_restarts,
                           agent_here=multi and profile.num_machines == 1)
     if spec.launcher == "torchrun":
-        if spec.shards:  # the fsdp engine honours the profile's fsdp_config, as accelerate launch hands it over
-            env.update(fsdp_environment(profile))
         command = _torchrun_command(profile, max_restarts, notes)
         return LaunchPlan(command + node_args + list(script_and_args), env, tuple(notes),
                           agent_here=profile.num_machines == 1)

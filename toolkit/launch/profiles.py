@@ -27,6 +27,7 @@ class Profile:
     gpu_ids: str | None  # "all", "0,1", or None
     mixed_precision: str
     use_cpu: bool
+    dynamo_backend: str = "NO"  # the profile's dynamo_config: compile the model in prepare with this backend
 
     @property
     def processes_per_machine(self) -> int:
@@ -61,6 +62,7 @@ def load_profile(path: str) -> Profile:
         gpu_ids=None if config.gpu_ids is None else str(config.gpu_ids),
         mixed_precision=str(getattr(config.mixed_precision, "value", config.mixed_precision) or "no"),
         use_cpu=bool(config.use_cpu),
+        dynamo_backend=str((getattr(config, "dynamo_config", None) or {}).get("dynamo_backend", "NO")).upper(),
     )
     check_profile(profile)
     return profile
@@ -119,11 +121,14 @@ def check_profile(profile: Profile):
         raise UserError(f"{profile.path}: rdzv_backend must be static or c10d, not {profile.rdzv_backend!r}.")
 
 
-def fsdp_environment(profile: Profile) -> dict[str, str]:
-    """The variables `accelerate launch` hands its processes for an FSDP profile's fsdp_config (ACCELERATE_USE_FSDP
-    and FSDP_*), made by accelerate's own launch code, so that `toolkit launch --engine fsdp` gives the fsdp
-    engine the settings accelerate launch would (toolkit/engines/fsdp_settings.py reads them). Empty otherwise."""
-    if profile.distributed_type != "FSDP":
+def accelerate_environment(profile: Profile, fsdp: bool) -> dict[str, str]:
+    """The variables `accelerate launch` hands its processes for a profile's dynamo_config (ACCELERATE_DYNAMO_*)
+    and, with `fsdp`, for an FSDP profile's fsdp_config (ACCELERATE_USE_FSDP and FSDP_*), made by accelerate's own
+    launch code, so that `toolkit launch` gives the plain engines what accelerate launch would give an Accelerator
+    (toolkit/engines/compiling.py and fsdp_settings.py read them). Empty where the profile asks for neither."""
+    fsdp = fsdp and profile.distributed_type == "FSDP"
+    dynamo = profile.dynamo_backend != "NO"
+    if not fsdp and not dynamo:
         return {}
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
@@ -132,5 +137,6 @@ def fsdp_environment(profile: Profile) -> dict[str, str]:
         args = _validate_launch_command(launch_command_parser().parse_args(["--config_file", profile.path, "-"]))[0]
         variables = prepare_multi_gpu_env(args)
     except (ValueError, TypeError, KeyError) as error:
-        raise UserError(f"accelerate rejected the fsdp_config of {profile.path}: {' '.join(str(error).split())}") from None
-    return {k: v for k, v in variables.items() if k.startswith("FSDP_") or k == "ACCELERATE_USE_FSDP"}
+        raise UserError(f"accelerate rejected {profile.path}: {' '.join(str(error).split())}") from None
+    return {k: v for k, v in variables.items()
+            if fsdp and (k.startswith("FSDP_") or k == "ACCELERATE_USE_FSDP") or dynamo and k.startswith("ACCELERATE_DYNAMO_")}

@@ -31,7 +31,7 @@ def sync_batchnorm(model, accelerator):
 @torch.no_grad()
 def average_batchnorm_stats(model, accelerator):
     """Make every rank's BatchNorm running mean/var the average over ranks (every rank calls it)."""
-    for layer in batchnorm_layers(accelerator.unwrap_model(model)):
+    for layer in batchnorm_layers(accelerator.unwrap_model(model, keep_torch_compile=False)):
         if layer.running_mean is not None:
             layer.running_mean.copy_(accelerator.reduce(layer.running_mean, "mean"))
             layer.running_var.copy_(accelerator.reduce(layer.running_var, "mean"))

@@ -39,7 +39,7 @@ class WeightEMA:
         if not 0 < decay < 1:
             raise UserError(f"--ema-decay must be in (0, 1), such as 0.999, not {decay}.")
         self.decay, self.updates, self.accelerator = decay, 0, accelerator
-        named = [(name, p) for name, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad]
+        named = [(name, p) for name, p in accelerator.unwrap_model(model, keep_torch_compile=False).named_parameters() if p.requires_grad]
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.shadow = [_local(p).detach().clone() for p in self.params]  # this rank's part of each parameter

@@ -41,7 +41,7 @@ def load_weights_and_schedule(path: Path, accelerator, model, optimizer, schedul
     schedule into `scheduler` when both exist; returns whether a schedule was loaded. Another optimizer's or
     schedule's state is one sentence."""
     try:
-        load_checkpoint(path, model=accelerator.unwrap_model(model), optimizer=optimizer,
+        load_checkpoint(path, model=accelerator.unwrap_model(model, keep_torch_compile=False), optimizer=optimizer,
                         scaler=getattr(accelerator, "scaler", None))
         schedule = saved_schedule(path)
         if scheduler is not None and schedule is not None:
