@@ -130,6 +130,38 @@ def run_case(plugin=None, meta_on_rank_1=False, **kwargs):
     return result
 
 
+class ConvBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return x + torch.relu(self.bn(self.conv(x)))
+
+
+def bf16_batchnorm(plugin=None):
+    """bf16 with BatchNorm, in blocks and outside them (the layers the root holds under a wrap policy)."""
+    accelerator = toolkit.build_accelerator("fsdp", fsdp_plugin=plugin, mixed_precision="bf16")
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), ConvBlock(), nn.MaxPool2d(2),
+                          ConvBlock(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+    model._no_split_modules = ["ConvBlock"]
+    seen = set()
+    for conv in [m for m in model.modules() if isinstance(m, nn.Conv2d)]:
+        conv.register_forward_pre_hook(lambda module, args: seen.add(str(args[0].dtype).replace("torch.", "")))
+    model, optimizer = accelerator.prepare(model, sgd(model.parameters()))
+    images = torch.randn(STEPS, 2, 3, 8, 8, generator=torch.Generator().manual_seed(accelerator.process_index))
+    losses = []
+    for step in range(STEPS):
+        loss = F.cross_entropy(model(images[step]), torch.tensor([0, 2]))
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "conv_inputs": sorted(seen), "bn_weight": str(model[1].weight.dtype).replace("torch.", ""),
+            "output": str(model(images[0]).dtype).replace("torch.", "")}
+
+
 def refusal(**plugin):
     try:
         toolkit.build_accelerator("fsdp", fsdp_plugin=Plugin(**plugin)).prepare(Net())
@@ -167,6 +199,7 @@ results.update({
     "compiled": run_case(Plugin(**BLOCKS), dynamo_backend="inductor"),
     "cpu_ram_efficient_loading": run_case(Plugin(**BLOCKS, cpu_ram_efficient_loading=True), meta_on_rank_1=True),
 })
+bf16 = {"default": bf16_batchnorm(), "wrapped": bf16_batchnorm(Plugin(**BLOCKS))}
 clear_fsdp_variables()
 refusals = {
     "backward_prefetch": refusal(backward_prefetch="BACKWARD_PRE"),
@@ -179,4 +212,4 @@ try:
 except UserError as error:
     refusals["contradicting_format"] = str(error)
 if int(os.environ["RANK"]) == 0:
-    Path(args.out).write_text(json.dumps({"cases": results, "refusals": refusals}, indent=1))
+    Path(args.out).write_text(json.dumps({"cases": results, "refusals": refusals, "bf16": bf16}, indent=1))

@@ -6,8 +6,8 @@ precedence:
 2. the TOOLKIT_ENGINE environment variable (`toolkit launch --engine E` sets it for its children);
 3. "auto", from how the process was launched: `accelerate launch` -> accelerate; torchrun, the legacy
    torch.distributed.launch, toolkit.spawn, srun and mpirun -> ddp; plain `python` -> single.
-An engine asked for FSDP (an FSDP profile) where it cannot shard without CUDA (accelerate) becomes the engine its
-row names instead (fsdp), with a one-line notice: accelerate itself would train DDP without a word.
+An engine asked for FSDP (an FSDP profile, or `fsdp_plugin=`) where it cannot shard without CUDA (accelerate) becomes
+the engine its row names instead (fsdp), with a one-line notice: accelerate itself would train DDP without a word.
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def build_accelerator(engine: str = "auto", **kwargs):
 
         pin_gloo_interface(env.master_addr)
     spec = ENGINE_SPECS[resolve_engine(engine, env)]
-    if spec.fsdp_without_cuda and env.accelerate_fsdp and accelerate_drops_fsdp(env.use_cpu or kwargs.get("cpu")):
+    asks_fsdp = env.accelerate_fsdp or kwargs.get("fsdp_plugin") is not None  # a profile, or the script's plugin
+    if spec.fsdp_without_cuda and asks_fsdp and accelerate_drops_fsdp(env.use_cpu or kwargs.get("cpu")):
         if env.rank == 0:
             print(f"[toolkit] {FSDP_WITHOUT_CUDA}", flush=True)
         spec = ENGINE_SPECS[spec.fsdp_without_cuda]

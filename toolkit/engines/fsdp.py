@@ -24,6 +24,7 @@ runs under autocast, which casts the whole parameters the policy does not reach.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import weakref
 from collections.abc import Mapping
@@ -45,8 +46,9 @@ from toolkit.engines.group import ProcessGroupMixin
 from toolkit.config import listing
 from toolkit.errors import UserError
 from toolkit.engines.units import checkpoint_modules, shard_units
-from toolkit.engines.fsdp_settings import (FSDPSettings, ignored_parameters, mixed_precision_dtype, non_persistent_buffers,
-                                           read_plugin, settings_from_profile, to_meta, wrapped_units)
+from toolkit.engines.fsdp_settings import (FSDPSettings, fp32_norms, ignored_parameters, mixed_precision_dtype,
+                                           non_persistent_buffers, read_plugin, settings_from_profile, to_meta,
+                                           wrapped_units)
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on rank 0, in CPU memory
 
@@ -250,9 +252,12 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
         settings = self.fsdp_settings or FSDPSettings(reshard_after_forward=None)  # None: fully_shard's own default
         names = {p: name for name, p in model.named_parameters()}
         dtype = amp_dtype(self.mixed_precision)
+        # bf16 compute, fp32 gradient reduction; the blocks hand on bf16 activations, the root fp32 outputs.
         policy = settings.mixed_precision_policy or MixedPrecisionPolicy(
-            param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None, output_dtype=torch.float32 if dtype else None)
-        units = self._units(model, settings)
+            param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+        root_policy = settings.mixed_precision_policy or dataclasses.replace(
+            policy, output_dtype=torch.float32 if dtype else None)
+        units, norms = self._units(model, settings, policy.param_dtype)
         replicated_by_name = replicated_parameters(model, units)
         ignored = set(ignored_parameters(model, settings.ignored_modules))
         replicated = [p for p in model.parameters() if p in ignored or any(p is q for q in replicated_by_name.values())]
@@ -279,10 +284,12 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
                       offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if settings.cpu_offload
                       else OffloadPolicy())
         for unit in units:
-            fully_shard(unit, reshard_after_forward=settings.reshard_after_forward, **kwargs)
+            fp32 = MixedPrecisionPolicy(reduce_dtype=policy.reduce_dtype, output_dtype=policy.param_dtype)
+            fully_shard(unit, reshard_after_forward=settings.reshard_after_forward,
+                        **{**kwargs, "mp_policy": fp32 if unit in norms else policy})
             if settings.reshard_after_forward is not None:
                 _RESHARD[unit] = settings.reshard_after_forward
-        fully_shard(model, **kwargs)
+        fully_shard(model, **{**kwargs, "mp_policy": root_policy})
         if settings.cpu_ram_efficient_loading:
             model.to_empty(device=self.device)
             for name, buffer in kept.items():  # not in a state dict: each rank's own, as before
@@ -300,10 +307,10 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
             model.register_forward_pre_hook(self._broadcast_buffers)
         return model
 
-    def _units(self, model, settings: FSDPSettings) -> list[torch.nn.Module]:
-        """The modules sharded one by one before the root: without settings each block (shard_units), with
-        Accelerate's those its wrap policy picks, checkpointed when it asks; compiled region by region first when
-        asked (in place, so FSDP's hooks stay outside the graphs)."""
+    def _units(self, model, settings: FSDPSettings, param_dtype) -> tuple[list, list]:
+        """The modules sharded one by one before the root, and those of them that stay fp32 (`fp32_norms`): without
+        settings each block (shard_units), with Accelerate's those its wrap policy picks, checkpointed when it asks;
+        compiled region by region first when asked (in place, so FSDP's hooks stay outside the graphs)."""
         units = (shard_units(model) if self.fsdp_settings is None
                  else wrapped_units(model, settings.wrap) if settings.wrap is not None else [])
         if settings.activation_checkpointing:
@@ -313,7 +320,8 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
             checkpoint_modules(units)
         if self.compile_settings is not None and self.compile_settings.regional:
             compile_model(model, self.compile_settings)
-        return units
+        norms = fp32_norms(model, param_dtype)
+        return norms + [u for u in units if not any(u is n for n in norms)], norms
 
     def _broadcast_buffers(self, model, args):
         if model.training and torch.is_grad_enabled() and self.sync_gradients:

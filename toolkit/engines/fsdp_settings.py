@@ -203,3 +203,12 @@ def non_persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {f"{name}.{key}".lstrip("."): buffer for name, module in model.named_modules()
             for key, buffer in module._buffers.items()
             if buffer is not None and key in module._non_persistent_buffers_set}
+
+
+def fp32_norms(model: nn.Module, param_dtype) -> list[nn.Module]:
+    """The BatchNorm layers that compute in fp32 under a lower param_dtype, as FSDP1's mixed precision left them by
+    default: each a unit of its own that FSDP2 does not cast, handing on the compute dtype (CPU's kernel takes bf16
+    activations with fp32 weights and statistics, not bf16 weights with fp32 statistics)."""
+    if param_dtype in (None, torch.float32):
+        return []
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m is not model]
