@@ -10,7 +10,9 @@ import textwrap
 
 import pytest
 import torch
-from conftest import PY, SCRIPTS, TOOLKIT, read_json, run
+from conftest import PY, SCRIPTS, TOOLKIT, TORCHRUN, read_json, run
+
+from toolkit.launch.launcher import free_port
 
 # fp32: the weights after 2 SGD steps of 2 x 3 samples against one process's 6, measured 3.0e-8 on both kernel
 # paths (avx2 and ATEN_CPU_CAPABILITY=default); a rank that kept its own initial weights, or a gradient not
@@ -188,3 +190,17 @@ def test_bf16_runs_batchnorm_in_fp32_inside_blocks_and_outside_them(check):
     for name, case in check["bf16"].items():
         assert (case["conv_inputs"], case["bn_weight"], case["output"]) == (["bfloat16"], "float32", "float32"), name
         assert all(math.isfinite(loss) for loss in case["losses"]), name
+
+
+def test_a_script_that_gives_an_fsdp_plugin_under_torchrun_shards_as_accelerate_would(tmp_path):
+    """torchrun alone picks ddp; a script's plugin asks for sharding, as Accelerator(fsdp_plugin=...) does."""
+    script = tmp_path / "user.py"
+    script.write_text(textwrap.dedent("""\
+        import torch, toolkit
+        from accelerate import FullyShardedDataParallelPlugin
+        accelerator = toolkit.build_accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+        model = accelerator.prepare(torch.nn.Linear(4, 4))
+        accelerator.print("RAN", accelerator.name, accelerator.num_processes, type(model).__name__)
+        """))
+    proc = run(TORCHRUN + ["--master_port", free_port(), script])
+    assert "RAN fsdp 2 FSDPLinear" in proc.stdout

@@ -5,7 +5,8 @@ precedence:
 1. `build_accelerator(engine=...)` when it is not "auto";
 2. the TOOLKIT_ENGINE environment variable (`toolkit launch --engine E` sets it for its children);
 3. "auto", from how the process was launched: `accelerate launch` -> accelerate; torchrun, the legacy
-   torch.distributed.launch, toolkit.spawn, srun and mpirun -> ddp; plain `python` -> single.
+   torch.distributed.launch, toolkit.spawn, srun and mpirun -> ddp (fsdp when the script gives an `fsdp_plugin`, as
+   Accelerate then shards); plain `python` -> single.
 An engine asked for FSDP (an FSDP profile, or `fsdp_plugin=`) where it cannot shard without CUDA (accelerate) becomes
 the engine its row names instead (fsdp), with a one-line notice: accelerate itself would train DDP without a word.
 """
@@ -79,7 +80,10 @@ def build_accelerator(engine: str = "auto", **kwargs):
         from toolkit.launch.rendezvous import pin_gloo_interface
 
         pin_gloo_interface(env.master_addr)
-    spec = ENGINE_SPECS[resolve_engine(engine, env)]
+    name = resolve_engine(engine, env)
+    if name == "ddp" and kwargs.get("fsdp_plugin") is not None and engine in (None, "", "auto") and not env.engine:
+        name = "fsdp"  # chosen by the launcher alone: Accelerate shards a model whose script gives a plugin
+    spec = ENGINE_SPECS[name]
     asks_fsdp = env.accelerate_fsdp or kwargs.get("fsdp_plugin") is not None  # a profile, or the script's plugin
     if spec.fsdp_without_cuda and asks_fsdp and accelerate_drops_fsdp(env.use_cpu or kwargs.get("cpu")):
         if env.rank == 0:
