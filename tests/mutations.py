@@ -340,7 +340,7 @@ MUTATIONS = {
         "accelerate's meaning: the fsdp engine reshards after every forward whatever the FSDP plugin says"),
     "compiled-weights-saved-with-orig-mod": Mutation(
         "toolkit.engines.base", "TorchEngine.get_state_dict", _compiled_keys_saved,
-        ("tests/test_compile.py::test_the_compiled_runs_checkpoint_resumes_an_uncompiled_run",),
+        ("tests/test_compile.py::test_a_compiled_models_save_state_loads_into_an_uncompiled_one",),
         "checkpoints: a compiled model's weights are saved as `_orig_mod.*`, which an uncompiled run cannot load"),
     "gradients-summed": Mutation(
         "toolkit.engines.base", "TorchEngine.backward", _gradients_summed,

@@ -98,6 +98,21 @@ def test_dynamo_backend_compiles_the_prepared_model_and_unwrap_model_says_which_
     torch.testing.assert_close(prepared(x), model(x), rtol=0, atol=0)
 
 
+def test_a_compiled_models_save_state_loads_into_an_uncompiled_one(tmp_path):
+    from toolkit import build_accelerator
+
+    torch.manual_seed(0)
+    compiled = build_accelerator("single", dynamo_backend="eager")
+    model = compiled.prepare(Blocks())
+    saved = compiled.save_state(str(tmp_path / "ckpt"))
+    keys = sorted(safetensors.torch.load_file(f"{saved}/model.safetensors"))
+    assert keys == sorted(Blocks().state_dict()), keys  # no `_orig_mod.` anywhere
+    plain = build_accelerator("single")
+    fresh = plain.prepare(Blocks())
+    plain.load_state(saved)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model._orig_mod.state_dict().values()))
+
+
 def test_regional_compilation_compiles_each_repeated_block_in_place():
     from accelerate.utils import TorchDynamoPlugin
 
