@@ -6,6 +6,7 @@
 
 from toolkit.engines import ENGINES, build_accelerator, resolve_engine
 from toolkit.engines.observers import observe_engines
+from toolkit.launch.parallelism import ParallelismConfig
 from toolkit.config import parse_config
 from toolkit.errors import UserError
 from toolkit.launch.env import LaunchEnv, read_launch_env
@@ -36,6 +37,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'toolkit' has no attribute {name!r}")
 
 
-__all__ = ["ENGINES", "LaunchEnv", "UserError", "build_accelerator", "parse_config", "read_launch_env", "resolve_engine",
+__all__ = ["ENGINES", "LaunchEnv", "ParallelismConfig", "UserError", "build_accelerator", "parse_config", "read_launch_env", "resolve_engine",
            "spawn", *_TRAINING_PARTS]
 __version__ = "0.1.0"

@@ -39,6 +39,9 @@ def _launch_parser(sub):
                         "silent for 3 of them is dropped, so a lost machine's peers go on after 3 x S (default 5)")
     p.add_argument("--rdzv_timeout", "--rdzv-timeout", type=float, default=300.0,
                    help="seconds the machines of a multi-node job wait for each other before giving up")
+    for dim in ("dp_replicate", "dp_shard", "tp", "cp"):  # accelerate launch's names, over the profile's
+        p.add_argument(f"--parallelism_config_{dim}_size", f"--parallelism-config-{dim.replace('_', '-')}-size",
+                       type=int, metavar="N", help=f"the device mesh's {dim} size (Accelerate's ParallelismConfig)")
     p.add_argument("--dry-run", "--dry_run", action="store_true", help="print the command and environment only")
     p.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args ...]")
 

@@ -54,6 +54,8 @@ X, Y = torch.randn(STEPS * global_batch, 6, generator=g), torch.randint(0, 3, (S
 
 out = {"world": W, "full_numel": full_numel, "local_numel": local_numel, "weight_diffs": [], "norms": [],
        "ref_norms": [], "grad_none_before_sync": [], "dtensor_grads_at_sync": []}
+mesh = accelerator.torch_device_mesh  # set by a ParallelismConfig (a profile's, under tests/test_parallelism.py)
+out["mesh"] = None if mesh is None else [list(mesh.mesh.shape), list(mesh.mesh_dim_names)]
 for step in range(STEPS):
     xs, ys = X[step * global_batch:(step + 1) * global_batch], Y[step * global_batch:(step + 1) * global_batch]
     F.cross_entropy(reference(xs), ys).backward()

@@ -81,8 +81,9 @@ def build_accelerator(engine: str = "auto", **kwargs):
 
         pin_gloo_interface(env.master_addr)
     name = resolve_engine(engine, env)
-    if name == "ddp" and kwargs.get("fsdp_plugin") is not None and engine in (None, "", "auto") and not env.engine:
-        name = "fsdp"  # chosen by the launcher alone: Accelerate shards a model whose script gives a plugin
+    sharding = kwargs.get("fsdp_plugin") is not None or kwargs.get("parallelism_config") is not None
+    if name == "ddp" and sharding and engine in (None, "", "auto") and not env.engine:
+        name = "fsdp"  # chosen by the launcher alone: Accelerate shards a model whose script gives a plugin or mesh
     spec = ENGINE_SPECS[name]
     asks_fsdp = env.accelerate_fsdp or kwargs.get("fsdp_plugin") is not None  # a profile, or the script's plugin
     if spec.fsdp_without_cuda and asks_fsdp and accelerate_drops_fsdp(env.use_cpu or kwargs.get("cpu")):

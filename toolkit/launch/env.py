@@ -54,6 +54,8 @@ class LaunchEnv:
     gloo_socket_ifname: str | None = None  # GLOO_SOCKET_IFNAME: the interface gloo binds to
     accelerate_fsdp: bool = False  # ACCELERATE_USE_FSDP: `accelerate launch` read a profile asking for FSDP
     accelerate_dynamo: bool = False  # ACCELERATE_DYNAMO_BACKEND (not NO): the profile's dynamo_config compiles
+    # ACCELERATE_USE_PARALLELISM_CONFIG: the profile's parallelism_config, its PARALLELISM_CONFIG_*_SIZE values
+    parallelism_sizes: dict | None = None
     use_cpu: bool = False  # ACCELERATE_USE_CPU: the profile asked for the CPU, GPUs or not
     parity_dir: str | None = None  # TOOLKIT_PARITY_DIR: `toolkit parity` started this run to record K steps
     debug_nan_step: int | None = None  # TOOLKIT_DEBUG_NAN_STEP: tests put a NaN in this step's loss on rank 0
@@ -268,6 +270,9 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
         gloo_socket_ifname=environ.get("GLOO_SOCKET_IFNAME") or None,
         accelerate_fsdp=environ.get("ACCELERATE_USE_FSDP", "").lower() == "true",
         accelerate_dynamo=environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower() != "no",
+        parallelism_sizes={f"{dim}_size": _int(environ, f"PARALLELISM_CONFIG_{dim.upper()}_SIZE", default=1)
+                           for dim in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
+        if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() == "true" else None,
         use_cpu=use_cpu,
         parity_dir=environ.get("TOOLKIT_PARITY_DIR") or None,
         debug_nan_step=_int(environ, "TOOLKIT_DEBUG_NAN_STEP"),

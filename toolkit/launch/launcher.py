@@ -28,6 +28,7 @@ from toolkit.errors import UserError
 from toolkit.launch import rendezvous
 from toolkit.launch.engine_specs import engine_spec, engines_where
 from toolkit.launch.env import launch_engine, read_launch_env
+from toolkit.launch.parallelism import ParallelismConfig, mesh_shape
 from toolkit.launch.profiles import Profile, accelerate_environment, check_profile, load_profile
 from toolkit.launch.rendezvous import MULTI_NODE_PORT
 from toolkit.launch.topology import topology_overrides
@@ -228,6 +229,24 @@ def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus:
     return LaunchPlan([sys.executable] + list(script_and_args), env, tuple(notes), max_restarts)
 
 
+MESH_FLAGS = ("dp_replicate", "dp_shard", "tp", "cp")
+
+
+def with_mesh(plan: LaunchPlan, args, engine: str, processes: int) -> LaunchPlan:
+    """accelerate launch's --parallelism_config_*_size flags over the profile's parallelism_config, handed to the
+    processes as accelerate launch hands them; the mesh checked against the world before any process starts,
+    for the engine that builds one."""
+    given = {dim: getattr(args, f"parallelism_config_{dim}_size", None) for dim in MESH_FLAGS}
+    env = dict(plan.env)
+    if any(size is not None for size in given.values()):
+        env["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
+        env.update({f"PARALLELISM_CONFIG_{dim.upper()}_SIZE": str(size) for dim, size in given.items() if size is not None})
+    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG") == "true" and engine_spec(engine).shards:
+        sizes = {f"{dim}_size": int(env.get(f"PARALLELISM_CONFIG_{dim.upper()}_SIZE", 1)) for dim in MESH_FLAGS}
+        mesh_shape(ParallelismConfig(**sizes), processes, engine)
+    return dataclasses.replace(plan, env=env)
+
+
 def format_plan(plan: LaunchPlan) -> str:
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(plan.env.items()))
     return f"{env} {shlex.join(plan.command)}"
@@ -342,6 +361,7 @@ def _launch(args) -> int:
     plan = plan_launch(profile, engine, args.script, max_restarts=max_restarts, min_nodes=min_nodes,
                        last_call_s=args.rdzv_last_call, join_timeout_s=args.rdzv_timeout,
                        keep_alive_s=args.rdzv_keep_alive)
+    plan = with_mesh(plan, args, engine, profile.num_processes)
     for note in notes + list(plan.notes):
         print(f"[toolkit] {note}", file=sys.stderr)
     if args.dry_run:

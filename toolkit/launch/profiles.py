@@ -28,6 +28,7 @@ class Profile:
     mixed_precision: str
     use_cpu: bool
     dynamo_backend: str = "NO"  # the profile's dynamo_config: compile the model in prepare with this backend
+    parallelism: bool = False  # the profile has Accelerate's parallelism_config keys (a device mesh)
 
     @property
     def processes_per_machine(self) -> int:
@@ -63,6 +64,7 @@ def load_profile(path: str) -> Profile:
         mixed_precision=str(getattr(config.mixed_precision, "value", config.mixed_precision) or "no"),
         use_cpu=bool(config.use_cpu),
         dynamo_backend=str((getattr(config, "dynamo_config", None) or {}).get("dynamo_backend", "NO")).upper(),
+        parallelism=bool(getattr(config, "parallelism_config", None)),
     )
     check_profile(profile)
     return profile
@@ -123,12 +125,14 @@ def check_profile(profile: Profile):
 
 def accelerate_environment(profile: Profile, fsdp: bool) -> dict[str, str]:
     """The variables `accelerate launch` hands its processes for a profile's dynamo_config (ACCELERATE_DYNAMO_*)
-    and, with `fsdp`, for an FSDP profile's fsdp_config (ACCELERATE_USE_FSDP and FSDP_*), made by accelerate's own
-    launch code, so that `toolkit launch` gives the plain engines what accelerate launch would give an Accelerator
-    (toolkit/engines/compiling.py and fsdp_settings.py read them). Empty where the profile asks for neither."""
+    and, with `fsdp`, for an FSDP profile's fsdp_config (ACCELERATE_USE_FSDP and FSDP_*) and its parallelism_config
+    (ACCELERATE_USE_PARALLELISM_CONFIG and PARALLELISM_CONFIG_*), made by accelerate's own launch code, so that
+    `toolkit launch` gives the plain engines what accelerate launch would give an Accelerator
+    (toolkit/engines/compiling.py, fsdp_settings.py and parallelism.py read them). Empty where it asks for none."""
+    mesh = fsdp and profile.parallelism
     fsdp = fsdp and profile.distributed_type == "FSDP"
     dynamo = profile.dynamo_backend != "NO"
-    if not fsdp and not dynamo:
+    if not fsdp and not dynamo and not mesh:
         return {}
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
@@ -139,4 +143,5 @@ def accelerate_environment(profile: Profile, fsdp: bool) -> dict[str, str]:
     except (ValueError, TypeError, KeyError) as error:
         raise UserError(f"accelerate rejected {profile.path}: {' '.join(str(error).split())}") from None
     return {k: v for k, v in variables.items()
-            if fsdp and (k.startswith("FSDP_") or k == "ACCELERATE_USE_FSDP") or dynamo and k.startswith("ACCELERATE_DYNAMO_")}
+            if fsdp and (k.startswith("FSDP_") or k == "ACCELERATE_USE_FSDP") or dynamo and k.startswith("ACCELERATE_DYNAMO_")
+            or mesh and (k.startswith("PARALLELISM_CONFIG_") or k == "ACCELERATE_USE_PARALLELISM_CONFIG")}

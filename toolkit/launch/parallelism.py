@@ -1,0 +1,79 @@
+"""The device mesh of a ParallelismConfig, Accelerate's way of naming a run's dimensions (accelerate/parallelism_config.py):
+`build_accelerator(parallelism_config=ParallelismConfig(...))`, Accelerate's own config where it can be built, or a
+profile's `parallelism_config` keys, which `accelerate launch` and `toolkit launch` hand over as Accelerate's
+PARALLELISM_CONFIG_* variables (`toolkit launch` also takes accelerate launch's `--parallelism_config_*_size` flags
+over the profile's, and checks the mesh against the world before it starts any process).
+
+The fsdp engine runs the data-parallel dimensions: `dp_shard` alone is FSDP, `dp_replicate` x `dp_shard` is HSDP
+(each shard group keeps 1/dp_shard of the model; the replicas average their gradients), on a mesh named as
+Accelerate names it and exposed as `accelerator.torch_device_mesh`. Tensor, context and pipeline dimensions are
+refused in one sentence, before any process trains, as is a mesh that does not tile the world.
+
+    >>> config = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)
+    >>> mesh_shape(config, world=4, engine="fsdp")
+    ((2, 2), ('dp_replicate', 'dp_shard'))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toolkit.errors import UserError
+
+SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size", "pp_size")
+
+
+@dataclass
+class ParallelismConfig:
+    """Accelerate's ParallelismConfig fields, names and meaning, which need no transformers here, plus `pp_size`
+    (pipeline stages: the toolkit's own, as Accelerate has no pipeline parallel). None means 1."""
+
+    dp_replicate_size: int | None = None
+    dp_shard_size: int | None = None
+    tp_size: int | None = None
+    cp_size: int | None = None
+    sp_size: int | None = None
+    pp_size: int | None = None
+
+    def __post_init__(self):
+        for name in SIZES:
+            value = 1 if getattr(self, name) is None else getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UserError(f"ParallelismConfig's {name} must be a whole number of at least 1, not {value!r}.")
+            setattr(self, name, value)
+
+    @property
+    def total_size(self) -> int:
+        product = 1
+        for name in SIZES:
+            product *= getattr(self, name)
+        return product
+
+
+def read_parallelism_config(config) -> ParallelismConfig:
+    """The toolkit's config, or Accelerate's read by its field names (it has no pp_size)."""
+    if isinstance(config, ParallelismConfig):
+        return config
+    return ParallelismConfig(**{name: getattr(config, name, None) for name in SIZES})
+
+
+def mesh_shape(config: ParallelismConfig, world: int, engine: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The mesh's sizes and dimension names for `world` processes, in Accelerate's order (dp_replicate, dp_shard),
+    or one sentence saying why it cannot run."""
+    others = [f"{name} {getattr(config, name)}" for name in ("tp_size", "cp_size", "sp_size", "pp_size")
+              if getattr(config, name) > 1]
+    if others:
+        raise UserError(f"the {engine} engine runs the data-parallel dimensions of a ParallelismConfig "
+                        f"(dp_replicate_size, dp_shard_size), not {', '.join(others)}; tensor and context parallel "
+                        f"run under the accelerate engine on GPUs, and pipeline parallel does not run yet.")
+    replicate, shard = config.dp_replicate_size, config.dp_shard_size
+    if replicate * shard != world:
+        raise UserError(f"the ParallelismConfig's mesh (dp_replicate {replicate} x dp_shard {shard} = "
+                        f"{replicate * shard} processes) cannot tile this world of {world}; make the sizes multiply "
+                        f"to {world}.")
+    if replicate > 1 and shard == 1:
+        raise UserError("dp_replicate_size alone replicates the whole model, which is DDP: use the ddp engine, or "
+                        "give dp_shard_size as well (HSDP).")
+    if replicate > 1:
+        return (replicate, shard), ("dp_replicate", "dp_shard")
+    return (shard,), ("dp_shard",)
