@@ -112,3 +112,15 @@ def test_what_the_engine_does_not_run_is_refused_in_one_sentence():
         dp_replicate_size, dp_shard_size, tp_size, cp_size, sp_size = 2, 2, 1, 1, 1
 
     assert read_parallelism_config(AcceleratesOwn()).total_size == 4
+
+
+def test_toolkit_env_shows_the_profiles_mesh_and_refuses_one_that_cannot_tile(tmp_path):
+    from toolkit.check.env import collect
+
+    report = collect(str(profile(tmp_path, 4)), environ={})
+    assert report["toolkit_launch"]["mesh"] == {"dp_replicate": 2, "dp_shard": 2, "tp": 1, "cp": 1}
+    assert not [f for f in report["findings"] if f["code"] == "mesh-refused"]
+    refused = collect(str(profile(tmp_path, 2)), environ={})
+    assert [f["message"] for f in refused["findings"] if f["code"] == "mesh-refused"] == [
+        "the ParallelismConfig's mesh (dp_replicate 2 x dp_shard 2 = 4 processes) cannot tile this world of 2; make "
+        "the sizes multiply to 2."]

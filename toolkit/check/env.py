@@ -15,6 +15,7 @@ launch, 1 when something would (an "error" finding), 2 for a bad profile.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -31,11 +32,13 @@ from toolkit.launch.env import launch_engine, read_launch_env
 from toolkit.launch.launcher import (
     check_devices,
     format_plan,
+    mesh_sizes,
     plan_launch,
+    with_mesh,
     port_in_use,
     visible_gpus,
 )
-from toolkit.launch.profiles import Profile, check_profile, load_profile
+from toolkit.launch.profiles import Profile, accelerate_environment, check_profile, load_profile
 from toolkit.launch.rendezvous import check_main_host, resolve_host
 from toolkit.launch.topology import slurm_overrides
 
@@ -162,7 +165,7 @@ def toolkit_launch(profile: Profile | None, environ: Mapping[str, str], gpus: in
     """What `toolkit launch --config_file PROFILE script.py` would start (engine, command, launcher notes)."""
     engine, reason = launch_engine(None, environ)
     info = {"engine": engine, "engine_reason": reason,
-            "command": None, "notes": [], "runs": engine}
+            "command": None, "notes": [], "runs": engine, "mesh": None}
     if profile is None:
         return info, []
     try:
@@ -170,7 +173,15 @@ def toolkit_launch(profile: Profile | None, environ: Mapping[str, str], gpus: in
     except UserError as error:
         return info, [Finding("error", "launch-refused", str(error))]
     info.update(command=format_plan(plan), notes=list(plan.notes))
-    return info, fsdp_findings(profile, engine, gpus, info)
+    findings = fsdp_findings(profile, engine, gpus, info)
+    # The profile's parallelism_config (accelerate launch hands it over itself), checked as toolkit launch checks it.
+    plan = dataclasses.replace(plan, env={**accelerate_environment(profile, fsdp=True), **plan.env})
+    info["mesh"] = mesh_sizes(plan.env)
+    try:
+        with_mesh(plan, argparse.Namespace(), info["runs"], profile.num_processes)
+    except UserError as error:
+        findings.append(Finding("error", "mesh-refused", str(error)))
+    return info, findings
 
 
 def fsdp_findings(profile: Profile, engine: str, gpus: int, info: dict) -> list[Finding]:
@@ -347,6 +358,8 @@ def format_report(report: dict) -> str:
                  f"`auto` in the script then picks {plan['engine']}")
     if plan["runs"] != plan["engine"]:
         lines.append(f"  runs       the {plan['runs']} engine (see the findings)")
+    if plan["mesh"]:
+        lines.append(f"  mesh       {' x '.join(f'{dim} {size}' for dim, size in plan['mesh'].items() if size > 1)}")
     if plan["command"]:
         lines.append(f"  command    {plan['command']}")
     lines += [f"  note       {note}" for note in plan["notes"]]

@@ -241,10 +241,17 @@ def with_mesh(plan: LaunchPlan, args, engine: str, processes: int) -> LaunchPlan
     if any(size is not None for size in given.values()):
         env["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
         env.update({f"PARALLELISM_CONFIG_{dim.upper()}_SIZE": str(size) for dim, size in given.items() if size is not None})
-    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG") == "true" and engine_spec(engine).shards:
-        sizes = {f"{dim}_size": int(env.get(f"PARALLELISM_CONFIG_{dim.upper()}_SIZE", 1)) for dim in MESH_FLAGS}
-        mesh_shape(ParallelismConfig(**sizes), processes, engine)
+    sizes = mesh_sizes(env)
+    if sizes is not None and engine_spec(engine).shards:
+        mesh_shape(ParallelismConfig(**{f"{dim}_size": size for dim, size in sizes.items()}), processes, engine)
     return dataclasses.replace(plan, env=env)
+
+
+def mesh_sizes(env: dict) -> dict | None:
+    """The mesh a launch hands its processes (PARALLELISM_CONFIG_*_SIZE), or None."""
+    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG") != "true":
+        return None
+    return {dim: int(env.get(f"PARALLELISM_CONFIG_{dim.upper()}_SIZE", 1)) for dim in MESH_FLAGS}
 
 
 def format_plan(plan: LaunchPlan) -> str:
