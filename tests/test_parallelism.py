@@ -124,3 +124,29 @@ def test_toolkit_env_shows_the_profiles_mesh_and_refuses_one_that_cannot_tile(tm
     assert [f["message"] for f in refused["findings"] if f["code"] == "mesh-refused"] == [
         "the ParallelismConfig's mesh (dp_replicate 2 x dp_shard 2 = 4 processes) cannot tile this world of 2; make "
         "the sizes multiply to 2."]
+
+
+def test_the_accelerate_engine_hands_a_real_accelerator_accelerates_own_config():
+    from accelerate.parallelism_config import ParallelismConfig as AcceleratesConfig
+
+    from toolkit import ParallelismConfig, UserError
+    from toolkit.launch.parallelism import to_accelerate
+
+    given = to_accelerate(ParallelismConfig(dp_replicate_size=2, dp_shard_size=4))
+    assert isinstance(given, AcceleratesConfig)
+    assert (given.dp_replicate_size, given.dp_shard_size, given.tp_size, given.cp_size) == (2, 4, 1, 1)
+    with pytest.raises(UserError, match="Accelerate has no pipeline parallel: the accelerate engine cannot run pp_size 2"):
+        to_accelerate(ParallelismConfig(pp_size=2))
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="accelerate builds its own mesh where CUDA is visible")
+def test_a_mesh_given_to_the_accelerate_engine_without_cuda_runs_the_fsdp_engine(tmp_path):
+    """Accelerate 1.16 refuses a ParallelismConfig on a CPU state (MULTI_CPU); the fsdp engine runs its dp mesh."""
+    script = tmp_path / "user.py"
+    script.write_text(textwrap.dedent("""\
+        import toolkit
+        a = toolkit.build_accelerator("accelerate", parallelism_config=toolkit.ParallelismConfig(dp_shard_size=2))
+        a.print("RAN", a.name, list(a.torch_device_mesh.mesh_dim_names))
+        """))
+    proc = run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(), script])
+    assert "RAN fsdp ['dp_shard']" in proc.stdout and proc.stdout.count("[toolkit] accelerate runs FSDP only") == 1

@@ -85,7 +85,8 @@ def build_accelerator(engine: str = "auto", **kwargs):
     if name == "ddp" and sharding and engine in (None, "", "auto") and not env.engine:
         name = "fsdp"  # chosen by the launcher alone: Accelerate shards a model whose script gives a plugin or mesh
     spec = ENGINE_SPECS[name]
-    asks_fsdp = env.accelerate_fsdp or kwargs.get("fsdp_plugin") is not None  # a profile, or the script's plugin
+    # A profile, or the script's plugin or mesh.
+    asks_fsdp = env.accelerate_fsdp or bool(env.parallelism_sizes) or sharding
     if spec.fsdp_without_cuda and asks_fsdp and accelerate_drops_fsdp(env.use_cpu or kwargs.get("cpu")):
         if env.rank == 0:
             print(f"[toolkit] {FSDP_WITHOUT_CUDA}", flush=True)

@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 
+from toolkit.launch.parallelism import to_accelerate
 from toolkit.engines import collectives
 from toolkit.engines.base import cpu_requested
 from toolkit.engines.group import DEFAULT_TIMEOUT_S, attempt_store, nccl_error_handling, release_ddp_wrappers
@@ -109,6 +110,8 @@ class AccelerateEngine:
             kwargs["cpu"] = True
         elif not kwargs.get("cpu") and torch.cuda.is_available():
             nccl_error_handling()
+        if kwargs.get("parallelism_config") is not None:  # the toolkit's, as Accelerate's own (on GPUs: on CPU the
+            kwargs["parallelism_config"] = to_accelerate(kwargs["parallelism_config"])  # fsdp engine runs it)
         if kwargs.get("mixed_precision") == "fp16" and (kwargs.get("cpu") or not torch.cuda.is_available()):
             raise UserError("fp16 mixed precision needs a CUDA device; use bf16 (or no) on CPU.")
         # Seeded sampling makes the data order a function of (seed, epoch), the same as the other engines:

@@ -77,3 +77,16 @@ def mesh_shape(config: ParallelismConfig, world: int, engine: str) -> tuple[tupl
     if replicate > 1:
         return (replicate, shard), ("dp_replicate", "dp_shard")
     return (shard,), ("dp_shard",)
+
+
+def to_accelerate(config):
+    """What a real Accelerator takes: Accelerate's own ParallelismConfig with the same sizes (the toolkit's pp_size
+    has no counterpart there, so it is refused)."""
+    if not isinstance(config, ParallelismConfig):
+        return config
+    if config.pp_size > 1:
+        raise UserError(f"Accelerate has no pipeline parallel: the accelerate engine cannot run pp_size "
+                        f"{config.pp_size}.")
+    from accelerate.parallelism_config import ParallelismConfig as AcceleratesConfig
+
+    return AcceleratesConfig(**{name: getattr(config, name) for name in SIZES if name != "pp_size"})
