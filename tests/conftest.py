@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,7 @@ def forget_accelerate_state():
         GradientState._reset_state()
 
 
+def cpu_fsdp_profile(processes: int, extra: str) -> str:
+    """An FSDP profile's YAML for CPU processes on this machine, with `extra` (its fsdp_config and more) after."""
+    return (f"compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nuse_cpu: true\nnum_processes: {processes}\n"
+            "num_machines: 1\nmachine_rank: 0\nmain_process_port: 0\nmixed_precision: 'no'\n" + textwrap.dedent(extra))

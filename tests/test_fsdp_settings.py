@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import PY, SCRIPTS, TOOLKIT, TORCHRUN, read_json, run
+from conftest import PY, SCRIPTS, TOOLKIT, TORCHRUN, cpu_fsdp_profile, read_json, run
 
 from toolkit.launch.launcher import free_port
 
@@ -21,22 +21,14 @@ TIGHT = 1e-6
 # bf16 compute (FSDP2's MixedPrecisionPolicy) against the fp32 reference: measured 9.6e-4; bf16's unit roundoff
 # is 3.9e-3 on weights of order 1.
 BF16 = 1e-2
-PROFILE = """\
-    compute_environment: LOCAL_MACHINE
-    distributed_type: FSDP
-    use_cpu: true
-    num_processes: 2
-    num_machines: 1
-    machine_rank: 0
-    main_process_port: 0
-    mixed_precision: 'no'
+PROFILE = cpu_fsdp_profile(2, """\
     fsdp_config:
       fsdp_version: 2
       fsdp_auto_wrap_policy: SIZE_BASED_WRAP
       fsdp_min_num_params: 300
       fsdp_reshard_after_forward: false
       fsdp_state_dict_type: FULL_STATE_DICT
-"""
+""")
 FULL_FILES = ["manifest.json", "model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl",
               "state.json"]
 
@@ -45,7 +37,7 @@ FULL_FILES = ["manifest.json", "model.safetensors", "optimizer.bin", "random_sta
 def check(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp_settings")
     profile = root / "fsdp_cpu.yaml"
-    profile.write_text(textwrap.dedent(PROFILE))
+    profile.write_text(PROFILE)
     run(TOOLKIT + ["launch", "--config_file", profile, "--engine", "fsdp", SCRIPTS / "fsdp_settings_check.py",
                    "--out", root / "out.json"], timeout=240)
     return read_json(root / "out.json")
@@ -141,7 +133,7 @@ def test_toolkit_launch_hands_the_fsdp_engine_the_variables_accelerate_launch_wo
     from toolkit.launch.profiles import load_profile
 
     path = tmp_path / "p.yaml"
-    path.write_text(textwrap.dedent(PROFILE))
+    path.write_text(PROFILE)
     profile = load_profile(str(path))
     env = plan_launch(profile, "fsdp", ["train.py"], gpus=0).env
     assert (env["ACCELERATE_USE_FSDP"], env["FSDP_VERSION"], env["FSDP_AUTO_WRAP_POLICY"], env["FSDP_MIN_NUM_PARAMS"],

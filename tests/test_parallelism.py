@@ -8,22 +8,14 @@ a dimension the engine does not run, is refused in one sentence before anything 
 import textwrap
 
 import pytest
-from conftest import CONFIGS, PY, SCRIPTS, TOOLKIT, read_json, run
+from conftest import CONFIGS, PY, SCRIPTS, TOOLKIT, cpu_fsdp_profile, read_json, run
 
 from toolkit.launch.launcher import free_port
 
 # fp32, the check's reference with the same global batch in one process: measured 1.5e-8 on weights at world 4
 # (HSDP); a replica that did not average its gradients with the other moves them by 1e-2 or more.
 TIGHT = 1e-6
-PROFILE = """\
-    compute_environment: LOCAL_MACHINE
-    distributed_type: FSDP
-    use_cpu: true
-    num_processes: {processes}
-    num_machines: 1
-    machine_rank: 0
-    main_process_port: 0
-    mixed_precision: 'no'
+MESH = """\
     fsdp_config:
       fsdp_version: 2
       fsdp_state_dict_type: FULL_STATE_DICT
@@ -35,7 +27,7 @@ PROFILE = """\
 
 def profile(tmp_path, processes):
     path = tmp_path / f"hsdp_{processes}.yaml"
-    path.write_text(textwrap.dedent(PROFILE.format(processes=processes)))
+    path.write_text(cpu_fsdp_profile(processes, MESH))
     return path
 
 
