@@ -36,6 +36,11 @@ class Config(TrainingConfig):  # the shared training flags (toolkit/train/config
     output_dir: str = field(default="runs/lm", metadata={"help": "checkpoints, metrics and summary.json"})
 
 
+def next_token_loss(logits, targets):
+    """Cross-entropy of each position's prediction of the next character, in nats, averaged over positions."""
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
 @torch.no_grad()
 def evaluate(model, loader, accelerator, ema=None) -> dict:
     """Accuracy and mean loss over a prepared loader: gather_for_metrics drops the samples the sampler repeated
@@ -59,13 +64,14 @@ def main(argv=None):
     accelerator = toolkit.build_accelerator(cfg.engine, mixed_precision=cfg.mixed_precision, timeout=cfg.timeout,
                                             log_with=cfg.trackers, project_dir=cfg.output_dir,
                                             checkpoint_format=cfg.checkpoint_format)
-    plan = plan_batches(cfg.global_batch_size, accelerator.num_processes, cfg.micro_batch_size)
+    # Ranks that read different data: every process, but the tp ranks of a tensor-parallel mesh share one batch
+    plan = plan_batches(cfg.global_batch_size, accelerator.data_parallel_size, cfg.micro_batch_size)
     accelerator.gradient_accumulation_steps = plan.accumulation
     accelerator.set_seed(cfg.seed)
     text = load_text(cfg.text)
     # Training windows sharded so that every optimizer step holds the same sequences on any world size.
-    train_loader = WindowLoader(text.train, block_size, plan.micro_batch, rank=accelerator.process_index,
-                                world_size=accelerator.num_processes, seed=cfg.seed, device=accelerator.device)
+    train_loader = WindowLoader(text.train, block_size, plan.micro_batch, rank=accelerator.data_parallel_index,
+                                world_size=accelerator.data_parallel_size, seed=cfg.seed, device=accelerator.device)
     val_loader = accelerator.prepare(DataLoader(window_dataset(text.val, block_size), plan.micro_batch))
 
     # --activation-checkpointing, then --compile, block by block (before prepare: fsdp then shards each block)
@@ -102,10 +108,9 @@ def main(argv=None):
             model.train()
             for x, y in run.batches(train_loader):  # from the saved position; whole optimizer steps
                 with accelerator.accumulate(model):
-                    logits = model(x)
-                    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-                    if guard.should_backward(loss):  # False on every rank when --skip-nonfinite skips this step
-                        accelerator.backward(loss)
+                    # next_token_loss(model(x), y), then backward unless --skip-nonfinite skips this step on every
+                    # rank; under tp the loss runs on the vocabulary's shards (loss parallel)
+                    loss = accelerator.forward_backward(model, x, y, next_token_loss, backward_if=guard.should_backward)
                     guard.check()  # every rank's loss, read once backward is queued: a NaN stops before the step
                     if accelerator.sync_gradients and cfg.clip_grad_norm:  # the whole step's gradient, once
                         norm = {"grad_norm": accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm).item()}

@@ -36,7 +36,7 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, se
 
 from toolkit.launch.parallelism import to_accelerate
 from toolkit.engines import collectives
-from toolkit.engines.base import cpu_requested
+from toolkit.engines.base import TorchEngine, cpu_requested
 from toolkit.engines.group import DEFAULT_TIMEOUT_S, attempt_store, nccl_error_handling, release_ddp_wrappers
 from toolkit.engines.accelerate_state import load_state_verified, save_state_atomically
 from toolkit.engines.prepared import has_gradients
@@ -168,6 +168,18 @@ class AccelerateEngine:
     def backward(self, loss, **kwargs):
         self._observers.backward(loss)
         self.accelerator.backward(loss, **kwargs)
+
+    forward_backward = TorchEngine.forward_backward
+
+    @property
+    def data_parallel_size(self) -> int:
+        config = self.accelerator.parallelism_config
+        return self.num_processes if config is None else config.data_parallel_size
+
+    @property
+    def data_parallel_index(self) -> int:  # Accelerate's loaders' own: the tp (and cp) ranks of one group agree
+        config = self.accelerator.parallelism_config
+        return self.process_index if config is None else self.process_index // config.non_data_parallel_size
 
     def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None):
         self.accelerator.init_trackers(project_name, config=config, init_kwargs=init_kwargs or {})

@@ -131,6 +131,11 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
     process_index = property(lambda self: 0)
     local_process_index = property(lambda self: 0)
     num_processes = property(lambda self: 1)
+    # Not Accelerate's as such (its ParallelismConfig has data_parallel_size): the processes that read different
+    # data, and this one's place among them. Every process but under a tensor-parallel mesh, whose tp ranks read
+    # the same batch; the prepared loaders and the recipes' global-batch plan count these.
+    data_parallel_size = property(lambda self: self.num_processes)
+    data_parallel_index = property(lambda self: self.process_index)
     is_main_process = property(lambda self: self.process_index == 0)
     is_local_main_process = property(lambda self: self.local_process_index == 0)
     distributed_type = property(lambda self: "NO")  # Accelerate's DistributedType values (a str enum)
@@ -286,6 +291,15 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
             loss = self.scaler.scale(loss)
         loss.backward(**kwargs)
 
+    def forward_backward(self, model, inputs, targets, loss_fn, backward_if=None):
+        """One micro-batch's loss and its backward, in one call (not Accelerate's: a pipeline's step is a schedule
+        of both over micro-batches, which a forward then a backward cannot express). Here exactly
+        `loss = loss_fn(model(inputs), targets)`, then `backward(loss)` unless `backward_if(loss)` says False."""
+        loss = loss_fn(model(inputs), targets)
+        if backward_if is None or backward_if(loss):
+            self.backward(loss)
+        return loss
+
     def autocast(self, autocast_handler=None):
         dtype = amp_dtype(self.mixed_precision)
         if dtype is None:
@@ -312,14 +326,18 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
     # -- collectives ---------------------------------------------------------------------------------
-    def _all_gather(self, tensor):  # gather variable-length dim-0 tensors from every rank
+    def _all_gather(self, tensor, group=None):  # gather variable-length dim-0 tensors from every rank (of `group`)
         return tensor
 
     def _all_reduce(self, tensor, op):
         return tensor
 
-    def _gather_objects(self, objects: list) -> list:  # every rank's list, concatenated in rank order
+    def _gather_objects(self, objects: list, group=None) -> list:  # every rank's list, concatenated in rank order
         return list(objects)
+
+    # The ranks whose samples differ, for gather_for_metrics: None, every rank; under a tensor-parallel mesh the
+    # data-parallel ranks of this one's tp position (the tp ranks of a group hold the same batch).
+    _data_group = None
 
     def gather_object(self, objects: list) -> list:
         return self._gather_objects(objects)
@@ -336,8 +354,8 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
             if valid < size:
                 data = map_tensors(lambda t: t[:valid] if t.dim() and t.shape[0] == size else t, data)
         if use_gather_object or not _holds_tensors(data):
-            return self._gather_objects(list(data) if isinstance(data, (list, tuple)) else [data])
-        return self.gather(data)
+            return self._gather_objects(list(data) if isinstance(data, (list, tuple)) else [data], self._data_group)
+        return map_tensors(lambda t: self._all_gather(t if t.dim() else t.unsqueeze(0), self._data_group), data)
 
     def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
         if reduction not in ("sum", "mean"):

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from toolkit.engines.base import TorchEngine, _autocast_forward, amp_dtype
 from toolkit.engines.compiling import compile_model, uncompiled
@@ -46,6 +47,7 @@ from toolkit.errors import UserError
 from toolkit.engines.gradient_sync import GradientSync
 from toolkit.launch.parallelism import ParallelismConfig, mesh_shape, read_parallelism_config
 from toolkit.engines.units import checkpoint_modules, shard_units
+from toolkit.engines.tensor_parallel import flat_group, parallelize, split_mesh, whole
 from toolkit.engines.fsdp_settings import (FSDPSettings, fp32_norms, ignored_parameters, mixed_precision_dtype,
                                            non_persistent_buffers, read_plugin, settings_from_profile, to_meta,
                                            wrapped_units)
@@ -156,6 +158,12 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
             self.parallelism_config, self._world, self.name)
         self._mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
         self.torch_device_mesh = None if config is None else self._mesh
+        # tp splits each layer (engines/tensor_parallel.py); FSDP shards over the data-parallel dimensions only.
+        self._tp_mesh, self._dp_mesh = split_mesh(self._mesh)
+        self._tp_size = 1 if self._tp_mesh is None else self._tp_mesh.size()
+        if self._tp_mesh is not None:
+            self._data_group = flat_group(self._dp_mesh)
+        self._loss_parallel = False  # forward_backward's: the logits stay split over the vocabulary for the loss
         self._swapped = {}  # original parameter -> its sharded replacement (optimizers built before prepare)
         self._models = []
         self._syncs: dict[torch.nn.Module, GradientSync] = {}  # prepared model -> when its gradients sync
@@ -188,8 +196,8 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
         replicated = [p for p in model.parameters() if p in ignored or any(p is q for q in replicated_by_name.values())]
         if replicated and self.scaler is not None:
             # torch's GradScaler checks a step's gradients in one call that must be all sharded or all whole.
-            whole = [name for name, p in model.named_parameters() if any(p is q for q in replicated)]
-            raise UserError(f"the fsdp engine cannot train fp16 with parameters it keeps whole ({listing(whole, 3)}: "
+            kept_whole = [name for name, p in model.named_parameters() if any(p is q for q in replicated)]
+            raise UserError(f"the fsdp engine cannot train fp16 with parameters it keeps whole ({listing(kept_whole, 3)}: "
                             f"scalars, tied weights or ignored_modules); use bf16, or the ddp engine for fp16.")
         full, kept = {}, {}
         if settings.cpu_ram_efficient_loading:
@@ -205,7 +213,11 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
             with torch.no_grad():
                 for tensor in model.state_dict().values():
                     dist.broadcast(tensor, src=0)
-        kwargs = dict(mesh=self._mesh, mp_policy=policy, ignored_params=set(replicated),
+        if self._tp_mesh is not None:  # the plan replaces the parameters: those kept whole, found again by name
+            kept_names = [name for name, p in model.named_parameters() if any(p is q for q in replicated)]
+            parallelize(model, self._tp_mesh)
+            replicated = [model.get_parameter(name) for name in kept_names]
+        kwargs = dict(mesh=self._dp_mesh, mp_policy=policy, ignored_params=set(replicated),
                       offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if settings.cpu_offload
                       else OffloadPolicy())
         for unit in units:
@@ -221,7 +233,9 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
                 owner, _, leaf = name.rpartition(".")
                 model.get_submodule(owner).register_buffer(leaf, buffer.to(self.device), persistent=False)
             set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        self._syncs[model] = GradientSync(model, replicated, self._world)
+        self._syncs[model] = GradientSync(model, replicated, self.data_parallel_size, self._data_group)
+        if self._tp_mesh is not None:  # after GradientSync's hook: `model(x)` gives whole logits, as on one process
+            model.register_forward_hook(lambda module, args, output: output if self._loss_parallel else whole(output))
         # DDP's name, which FSDP2 lacks: a script that accumulates with `model.no_sync()` (as on DDP and FSDP1)
         # keeps each micro-batch's gradients on its rank until a backward outside it reduces them all.
         model.no_sync = functools.partial(self._no_sync, model)
@@ -231,6 +245,36 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
         if self._world > 1 and any(True for _ in model.buffers()):
             model.register_forward_pre_hook(self._broadcast_buffers)
         return model
+
+    # The processes that read different batches: the tp ranks of one group read the same (tp innermost).
+    data_parallel_size = property(lambda self: self._world // self._tp_size)
+    data_parallel_index = property(lambda self: self._rank // self._tp_size)
+
+    def _local_rank(self, dim: str) -> int:  # Accelerate's: 0 along a dimension the mesh does not have
+        names = self._mesh.mesh_dim_names
+        return self._mesh.get_local_rank(dim) if self.torch_device_mesh is not None and dim in names else 0
+
+    data_parallel_rank = property(lambda self: self._local_rank("dp_replicate"))
+    tensor_parallel_rank = property(lambda self: self._local_rank("tp"))
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        return self._local_rank("dp_shard") if self.torch_device_mesh is not None else self._rank
+
+    def forward_backward(self, model, inputs, targets, loss_fn, backward_if=None):
+        """As on every engine; under tp the loss runs on logits split over the vocabulary (torch's loss_parallel:
+        each rank's share of the softmax, never the whole logits), and the loss comes back whole."""
+        if self._tp_mesh is None:
+            return super().forward_backward(model, inputs, targets, loss_fn, backward_if)
+        self._loss_parallel = True
+        try:
+            with loss_parallel():
+                loss = whole(loss_fn(model(inputs), targets))
+                if backward_if is None or backward_if(loss):
+                    self.backward(loss)
+        finally:
+            self._loss_parallel = False
+        return loss
 
     def _units(self, model, settings: FSDPSettings, param_dtype) -> tuple[list, list]:
         """The modules sharded one by one before the root, and those of them that stay fp32 (`fp32_norms`): without
@@ -295,11 +339,13 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
         self.unscale_gradients()
         parameters = [p for p in ([parameters] if isinstance(parameters, torch.Tensor) else parameters)
                       if p.grad is not None]
-        groups = ([p for p in parameters if isinstance(p.grad, DTensor)],
-                  [p for p in parameters if not isinstance(p.grad, DTensor)])
+        # One group per mesh the gradients live on (FSDP's, tp's, both), and the whole ones'
+        meshes = {id(p.grad.device_mesh): p.grad.device_mesh for p in parameters if isinstance(p.grad, DTensor)}
+        groups = [[p for p in parameters if isinstance(p.grad, DTensor) and p.grad.device_mesh is mesh]
+                  for mesh in meshes.values()] + [[p for p in parameters if not isinstance(p.grad, DTensor)]]
         norms = [torch.nn.utils.get_total_norm([p.grad for p in group], norm_type) for group in groups]
-        if isinstance(norms[0], DTensor):
-            norms[0] = norms[0].full_tensor()  # the shards' norms, reduced over ranks
+        # the shards' norms, reduced over the ranks that hold them
+        norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
         total = torch.linalg.vector_norm(torch.stack([n.to(self.device) for n in norms]), norm_type)
         for group in groups:  # one foreach call cannot mix DTensor and plain gradients
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
+from torch.distributed.tensor import DTensor
 
 
 class GradientSync:
@@ -18,8 +19,9 @@ class GradientSync:
     itself reads its flag when the backward runs, so the decision is written to it as the backward starts; the
     replicated parameters' gradients are averaged in one all-reduce when it ends."""
 
-    def __init__(self, model, replicated: list[torch.nn.Parameter], world: int):
-        self.model, self.replicated, self.world = model, replicated, world
+    def __init__(self, model, replicated: list[torch.nn.Parameter], world: int, group=None):
+        # world: the data-parallel ranks that average (all of `group`; None, every rank)
+        self.model, self.replicated, self.world, self.group = model, replicated, world, group
         self.enabled, self.triggered = True, False
         self._pending: list[bool] = []  # the decisions of the forwards the running backward goes through
         model.register_forward_hook(self._after_forward)  # after fully_shard's, so FSDP's output hooks come first
@@ -62,27 +64,35 @@ class GradientSync:
         sync, self._pending = any(self._pending), []
         trained = [p for p in self.replicated if p.requires_grad]  # the same list on every rank
         if sync and trained and self.world > 1:
-            average_gradients(trained, self.world)
+            average_gradients(trained, self.world, self.group)
 
 
-def average_gradients(params: list[torch.nn.Parameter], world: int):
+def average_gradients(params: list[torch.nn.Parameter], world: int, group=None):
     """DDP's average of replicated parameters' gradients: summed over ranks in ONE all-reduce (per-parameter
     collectives could pair one rank's `a` with another's `b` if their backwards ran in other orders), then divided
     by the world size. A rank without a gradient for a parameter adds zeros; one no rank has a gradient for stays
-    None (a count of the ranks that had one travels with the sum)."""
+    None (a count of the ranks that had one travels with the sum). A tensor-parallel parameter (a DTensor) averages
+    its own shard, over `group`: the data-parallel ranks that hold the same shard."""
     dtype = functools.reduce(torch.promote_types, [p.dtype for p in params])
-    had = torch.tensor([p.grad is not None for p in params], dtype=dtype, device=params[0].device)
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype) for p in params]
-                     + [had])
-    dist.all_reduce(flat)
-    pieces = flat.split([p.numel() for p in params] + [len(params)])
-    for param, summed, count in zip(params, pieces, pieces[-1].tolist()):
+    local = [_local(p) for p in params]
+    had = torch.tensor([p.grad is not None for p in params], dtype=dtype, device=local[0].device)
+    flat = torch.cat([(_local(p.grad) if p.grad is not None else torch.zeros_like(t)).reshape(-1).to(dtype)
+                      for p, t in zip(params, local)] + [had])
+    dist.all_reduce(flat, group=group)
+    pieces = flat.split([t.numel() for t in local] + [len(params)])
+    for param, shape, summed, count in zip(params, local, pieces, pieces[-1].tolist()):
         if count:
-            mean = (summed / world).view_as(param).to(param.dtype)
+            mean = (summed / world).view_as(shape).to(param.dtype)
             if param.grad is None:
-                param.grad = mean
+                param.grad = mean if not isinstance(param, DTensor) else DTensor.from_local(
+                    mean, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                    stride=param.stride())
             else:
-                param.grad.copy_(mean)
+                _local(param.grad).copy_(mean)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _tensors_in(output) -> list[torch.Tensor]:

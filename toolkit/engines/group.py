@@ -122,23 +122,24 @@ class ProcessGroupMixin:
             self._owns_group = False
             release_ddp_wrappers(self._wrapped)
 
-    def _all_gather(self, tensor):
+    def _all_gather(self, tensor, group=None):
+        world = dist.get_world_size(group)
         tensor = tensor.contiguous()
         size = torch.tensor([tensor.shape[0]], device=tensor.device)
-        sizes = [torch.zeros_like(size) for _ in range(self._world)]
-        dist.all_gather(sizes, size)
+        sizes = [torch.zeros_like(size) for _ in range(world)]
+        dist.all_gather(sizes, size, group=group)
         sizes = torch.cat(sizes).tolist()  # one host sync, not one per rank
         longest = max(sizes)
         if tensor.shape[0] < longest:  # all_gather needs equal shapes: pad, then cut each piece back
             pad = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
             tensor = torch.cat([tensor, pad])
-        pieces = [torch.empty_like(tensor) for _ in range(self._world)]
-        dist.all_gather(pieces, tensor)
+        pieces = [torch.empty_like(tensor) for _ in range(world)]
+        dist.all_gather(pieces, tensor, group=group)
         return torch.cat([piece[:n] for piece, n in zip(pieces, sizes)])
 
-    def _gather_objects(self, objects: list) -> list:
-        gathered = [None] * self._world
-        dist.all_gather_object(gathered, objects)
+    def _gather_objects(self, objects: list, group=None) -> list:
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, objects, group=group)
         return [obj for part in gathered for obj in part]
 
     def _all_reduce(self, tensor, op):

@@ -179,7 +179,7 @@ class PreparedDataLoader:
         self.sampler = parent.sampler if parent is not None else RankShare(
             DatasetOrder(len(loader.dataset), shuffle=isinstance(loader.sampler, RandomSampler),
                          seed=engine.data_order_seed()),
-            engine.num_processes, engine.process_index)
+            engine.data_parallel_size, engine.data_parallel_index)
         self.stateful = engine.use_stateful_dataloader
         self.per_process_batch = _per_process_batch(loader.batch_size, engine)
         sampler = SkipFirst(self.sampler, skip_batches * self.per_process_batch) if skip_batches else self.sampler
@@ -234,7 +234,7 @@ class PreparedDataLoader:
             raise UserError(self._stateless("state_dict"))
         owner = self._owner()
         return {"epoch": owner.epoch, "batches": owner.batches_seen,
-                "samples": owner.batches_seen * self.per_process_batch * self.engine.num_processes}
+                "samples": owner.batches_seen * self.per_process_batch * self.engine.data_parallel_size}
 
     def load_state_dict(self, state_dict: dict):
         """The next iteration goes on in the saved epoch, after the samples it had handed out (on any number of
@@ -247,10 +247,10 @@ class PreparedDataLoader:
     def _batches_for(self, state: dict) -> int:
         if "samples" not in state:
             return int(state.get("batches", 0))
-        per_step = self.per_process_batch * self.engine.num_processes
+        per_step = self.per_process_batch * self.engine.data_parallel_size
         if state["samples"] % per_step:
             raise UserError(f"the loader's state was saved {state['samples']} samples into its epoch, which "
-                            f"{self.engine.num_processes} process(es) x batch {self.per_process_batch} cannot resume "
+                            f"{self.engine.data_parallel_size} process(es) x batch {self.per_process_batch} cannot resume "
                             f"exactly; resume with a global batch that divides {state['samples']}.")
         return state["samples"] // per_step
 
@@ -266,7 +266,7 @@ class PreparedDataLoader:
 
     @property
     def total_batch_size(self):
-        return self.batch_size if self.engine.split_batches else self.batch_size * self.engine.num_processes
+        return self.batch_size if self.engine.split_batches else self.batch_size * self.engine.data_parallel_size
 
     def set_epoch(self, epoch: int):
         self._owner().epoch = epoch
@@ -338,12 +338,13 @@ def _per_process_batch(batch_size: int, engine) -> int:
     """Each process's batch: the loader's, or with split_batches its share of it (Accelerate's rule)."""
     if not engine.split_batches:
         return batch_size
-    if batch_size % engine.num_processes:
+    readers = engine.data_parallel_size
+    if batch_size % readers:
         from toolkit.errors import UserError
 
-        raise UserError(f"split_batches needs a batch size that {engine.num_processes} processes divide evenly, not "
-                        f"{batch_size}; use a multiple of {engine.num_processes}.")
-    return batch_size // engine.num_processes
+        raise UserError(f"split_batches needs a batch size that {readers} processes divide evenly, not "
+                        f"{batch_size}; use a multiple of {readers}.")
+    return batch_size // readers
 
 
 def _batch_len(batch):

@@ -4,14 +4,17 @@ profile's `parallelism_config` keys, which `accelerate launch` and `toolkit laun
 PARALLELISM_CONFIG_* variables (`toolkit launch` also takes accelerate launch's `--parallelism_config_*_size` flags
 over the profile's, and checks the mesh against the world before it starts any process).
 
-The fsdp engine runs the data-parallel dimensions: `dp_shard` alone is FSDP, `dp_replicate` x `dp_shard` is HSDP
-(each shard group keeps 1/dp_shard of the model; the replicas average their gradients), on a mesh named as
-Accelerate names it and exposed as `accelerator.torch_device_mesh`. Tensor, context and pipeline dimensions are
-refused in one sentence, before any process trains, as is a mesh that does not tile the world.
+The fsdp engine runs the data-parallel dimensions and tensor parallel: `dp_shard` alone is FSDP, `dp_replicate` x
+`dp_shard` is HSDP (each shard group keeps 1/dp_shard of the model; the replicas average their gradients), and `tp`
+splits each layer by the plan the model declares (engines/tensor_parallel.py), on a mesh named as Accelerate names
+it and exposed as `accelerator.torch_device_mesh`. Context and pipeline dimensions are refused in one sentence,
+before any process trains, as is a mesh that does not tile the world.
 
     >>> config = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)
     >>> mesh_shape(config, world=4, engine="fsdp")
     ((2, 2), ('dp_replicate', 'dp_shard'))
+    >>> mesh_shape(ParallelismConfig(tp_size=2), world=2, engine="fsdp")
+    ((1, 2), ('dp_shard', 'tp'))
 """
 
 from __future__ import annotations
@@ -58,25 +61,27 @@ def read_parallelism_config(config) -> ParallelismConfig:
 
 
 def mesh_shape(config: ParallelismConfig, world: int, engine: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """The mesh's sizes and dimension names for `world` processes, in Accelerate's order (dp_replicate, dp_shard),
-    or one sentence saying why it cannot run."""
-    others = [f"{name} {getattr(config, name)}" for name in ("tp_size", "cp_size", "sp_size", "pp_size")
+    """The mesh's sizes and dimension names for `world` processes, in Accelerate's order (dp_replicate, dp_shard,
+    tp: the ranks of one tp group are neighbours, as on one node's fast links), or one sentence saying why it cannot
+    run. With tp, `dp_shard` is always a dimension (of size 1 when only tp is asked): FSDP2 shards over it."""
+    others = [f"{name} {getattr(config, name)}" for name in ("cp_size", "sp_size", "pp_size")
               if getattr(config, name) > 1]
     if others:
-        raise UserError(f"the {engine} engine runs the data-parallel dimensions of a ParallelismConfig "
-                        f"(dp_replicate_size, dp_shard_size), not {', '.join(others)}; tensor and context parallel "
-                        f"run under the accelerate engine on GPUs, and pipeline parallel does not run yet.")
-    replicate, shard = config.dp_replicate_size, config.dp_shard_size
-    if replicate * shard != world:
-        raise UserError(f"the ParallelismConfig's mesh (dp_replicate {replicate} x dp_shard {shard} = "
-                        f"{replicate * shard} processes) cannot tile this world of {world}; make the sizes multiply "
-                        f"to {world}.")
+        raise UserError(f"the {engine} engine runs the data-parallel and tensor-parallel dimensions of a "
+                        f"ParallelismConfig (dp_replicate_size, dp_shard_size, tp_size), not {', '.join(others)}; "
+                        f"context parallel runs under the accelerate engine on GPUs, and pipeline parallel does not "
+                        f"run yet.")
+    replicate, shard, tp = config.dp_replicate_size, config.dp_shard_size, config.tp_size
+    if replicate * shard * tp != world:
+        raise UserError(f"the ParallelismConfig's mesh (dp_replicate {replicate} x dp_shard {shard} x tp {tp} = "
+                        f"{replicate * shard * tp} processes) cannot tile this world of {world}; make the sizes "
+                        f"multiply to {world}.")
     if replicate > 1 and shard == 1:
         raise UserError("dp_replicate_size alone replicates the whole model, which is DDP: use the ddp engine, or "
                         "give dp_shard_size as well (HSDP).")
-    if replicate > 1:
-        return (replicate, shard), ("dp_replicate", "dp_shard")
-    return (shard,), ("dp_shard",)
+    sizes = [(replicate, "dp_replicate")] if replicate > 1 else []
+    sizes += [(shard, "dp_shard")] + ([(tp, "tp")] if tp > 1 else [])
+    return tuple(size for size, _ in sizes), tuple(name for _, name in sizes)
 
 
 def to_accelerate(config):

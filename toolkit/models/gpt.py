@@ -32,23 +32,37 @@ class GPTConfig:
 
 
 # ~0.1M parameters at a 60-character vocabulary.
-GPT_SIZES = {"gpt-tiny": dict(n_layer=2, n_head=2, n_embd=64, block_size=64)}
+GPT_SIZES = {"gpt-tiny": dict(n_layer=2, n_head=4, n_embd=64, block_size=64)}
 
 
 class CausalSelfAttention(nn.Module):
+    """Causal multi-head self-attention with q, k and v as three projections, so a tensor-parallel mesh splits
+    each by heads (GPT._tp_plan). Shapes are read from the tensors (-1 heads of head_dim), so the same forward
+    runs on all heads or on one rank's share of them."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head, self.dropout = cfg.n_head, cfg.dropout
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.head_dim, self.dropout = cfg.n_embd // cfg.n_head, cfg.dropout
+        self.q, self.k, self.v = (nn.Linear(cfg.n_embd, cfg.n_embd) for _ in range(3))
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.resid_drop = nn.Dropout(cfg.dropout)
+        self._register_load_state_dict_pre_hook(_split_fused_qkv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, width = x.shape
-        q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2) for t in self.qkv(x).split(width, dim=2))
+        batch, time, _ = x.shape
+        q, k, v = (layer(x).view(batch, time, -1, self.head_dim).transpose(1, 2) for layer in (self.q, self.k, self.v))
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
                                              is_causal=True)
-        return self.resid_drop(self.proj(out.transpose(1, 2).reshape(batch, time, width)))
+        return self.resid_drop(self.proj(out.transpose(1, 2).reshape(batch, time, -1)))
+
+
+def _split_fused_qkv(state_dict, prefix, *args):
+    """A checkpoint written before q, k and v were split (one `qkv` Linear, rows q then k then v) loads as three."""
+    for kind in ("weight", "bias"):
+        fused = state_dict.pop(f"{prefix}qkv.{kind}", None)
+        if fused is not None:
+            for name, part in zip("qkv", fused.chunk(3)):
+                state_dict[f"{prefix}{name}.{kind}"] = part
 
 
 class Block(nn.Module):
@@ -68,12 +82,35 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     _no_split_modules = ["Block"]  # transformers' convention: the blocks an FSDP profile shards one by one
+    # How a tensor-parallel mesh splits the model (transformers' `_tp_plan` convention: module-name patterns, `*`
+    # for a block's number, mapped to styles that toolkit/engines/tensor_parallel.py defines). Megatron's split:
+    # attention by heads and the MLP by its hidden units, each a column-wise layer then a row-wise one, so a block
+    # communicates twice; the residual stream and the norms are split along the sequence between them (sequence
+    # parallel), and the tied embedding/head by vocabulary rows, the logits staying split for the loss.
+    _tp_plan = {
+        "tok_emb": "embedding",
+        "pos_emb": "replicate",
+        "drop": "sequence_split",
+        "blocks.*.ln1": "sequence_parallel",
+        "blocks.*.attn": "sequence_gather",
+        "blocks.*.attn.q": "colwise",
+        "blocks.*.attn.k": "colwise",
+        "blocks.*.attn.v": "colwise",
+        "blocks.*.attn.proj": "rowwise_sequence",
+        "blocks.*.ln2": "sequence_parallel",
+        "blocks.*.mlp": "sequence_gather",
+        "blocks.*.mlp.0": "colwise",
+        "blocks.*.mlp.2": "rowwise_sequence",
+        "ln_f": "sequence_parallel",
+        "head": "loss_parallel",
+    }
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         if cfg.n_embd % cfg.n_head:
             raise UserError(f"n_embd {cfg.n_embd} is not a multiple of n_head {cfg.n_head}; change one of them.")
         self.cfg = cfg
+        self.tp_heads = cfg.n_head  # what a tensor-parallel mesh splits attention by: its size must divide it
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)

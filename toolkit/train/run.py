@@ -44,6 +44,12 @@ from toolkit.train.records import RunRecorder, Throughput, check_fresh_output_di
 from toolkit.train.resume import Resume, load_weights_and_schedule, schedule_among
 
 
+
+def mesh_sizes(accelerator) -> dict | None:
+    """The device mesh's dimensions and sizes ({"dp_shard": 2, "tp": 2}), or None without one."""
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    return None if mesh is None else dict(zip(mesh.mesh_dim_names, mesh.shape))
+
 class TrainingRun:
     """The run's schedule (optimizer steps per epoch and in all), its position (step, epoch, micro-batches of the
     epoch done), its records and its checkpoints' names. Registered for checkpointing, it saves its position and
@@ -373,7 +379,8 @@ class TrainingRun:
             warmup_steps=min(meter.steps, meter.warmup_steps), engine=engine_name(accelerator),
             wall_time_s=round(sum(a["wall_time_s"] for a in attempts), 3), attempts=attempts,
             world_changes=world_changes(attempts),
-            world_size=accelerator.num_processes, global_batch_size=plan.global_batch, micro_batch_size=plan.micro_batch,
+            world_size=accelerator.num_processes, mesh=mesh_sizes(accelerator), global_batch_size=plan.global_batch,
+            micro_batch_size=plan.micro_batch,
             gradient_accumulation=plan.accumulation, mixed_precision=accelerator.mixed_precision,
             skipped_steps=getattr(accelerator, "skipped_steps", 0),
             warnings=list(dict.fromkeys(line for a in attempts for line in a.get("warnings", []))), **extra,
