@@ -146,6 +146,14 @@ def _no_sync_still_reduces(wrap, fsdp):
     return wrap_model
 
 
+def _norm_of_one_shard(reduced_norm, fsdp):
+    return lambda norm: norm.to_local() if isinstance(norm, fsdp.DTensor) else norm
+
+
+def _tp_ranks_read_apart(index, fsdp):  # the mesh's order mistaken: tp taken as the outer dimension
+    return property(lambda self: self._rank % self.data_parallel_size)
+
+
 def _reshard_ignored(read_plugin, settings):
     import dataclasses
 
@@ -277,6 +285,7 @@ def _abbreviations_taken(init, config):
 
 PARITY, FLAGS, API = "tests/test_parity.py", "tests/test_flags.py", "tests/test_engine_api.py"
 OPTIMIZERS, RECIPE = "tests/test_optimizers.py", "tests/test_recipe.py"
+TENSOR_PARALLEL = "tests/test_tensor_parallel.py::test_the_lm_recipe_trains_under_a_tensor_parallel_mesh_as_one_process"
 MUTATIONS = {
     "clipping-on-micro-steps": Mutation(
         "recipes.cifar", "main", _CLIP_EVERY_MICRO_STEP,
@@ -334,6 +343,14 @@ MUTATIONS = {
         "toolkit.engines.fsdp", "FSDPEngine._wrap_model", _no_sync_still_reduces,
         ("tests/test_fsdp.py::test_model_no_sync_accumulates_as_on_ddp_and_reduces_once_per_optimizer_step",),
         "accelerate's meaning: model.no_sync() under fsdp still reduces every micro-batch's gradients"),
+    "clip-norm-of-one-tp-shard": Mutation(
+        "toolkit.engines.fsdp", "reduced_norm", _norm_of_one_shard,
+        (f"{TENSOR_PARALLEL}[tp2]",),
+        "clipping under tp: the gradient's norm is this rank's shard's, so each tp rank clips by another factor"),
+    "tp-ranks-read-different-batches": Mutation(
+        "toolkit.engines.fsdp", "FSDPEngine.data_parallel_index", _tp_ranks_read_apart,
+        (f"{TENSOR_PARALLEL}[dp_shard2_tp2]",),
+        "tensor parallel: the ranks of one tp group read different batches, so each layer's shards see other data"),
     "reshard-after-forward-ignored": Mutation(
         "toolkit.engines.fsdp_settings", "read_plugin", _reshard_ignored,
         ("tests/test_fsdp_settings.py::test_reshard_after_forward_false_keeps_the_gathered_weights_for_backward",),

@@ -13,10 +13,12 @@ LM = ROOT / "recipes" / "lm.py"
 FLAGS = ["--global-batch-size", 32, "--max-steps", 100, "--seed", 7]
 # Nats per character after 100 steps (measured 2.53 under python); the untrained model starts at ln 60 = 4.09.
 VAL_LOSS_BAR = 2.7
-# Two ranks average their halves' gradients in another order than one process sums the whole batch: the first
-# 10 steps' losses agree within 4.8e-6 (relative), and AdamW at lr 1e-2 amplifies the rounding to at most 9.0e-3
-# (accelerate, ddp) and 1.1e-2 (fsdp) over 100 steps, measured here; validation losses within 0.006 nats.
-EARLY_STEPS, EARLY_RTOL = 10, 1e-4
+# Two ranks average their halves' gradients in another order than one process sums the whole batch, and AdamW at
+# lr 1e-2 amplifies the rounding. Measured here with the 4-head gpt-tiny: the first 9 steps agree within 2e-6
+# (relative), step 10 within 3.0e-4 (accelerate; one process alone on the other kernel path, ATEN_CPU_CAPABILITY=
+# default, 7e-5 there), and 100 steps within 1.3e-2 (1.1e-2 fsdp); validation losses within 0.006 nats. Batches in
+# another order differ by 1e-2 within a few steps.
+EARLY_STEPS, EARLY_RTOL, FIRST_RTOL = 10, 1e-3, 1e-6
 CURVE_RTOL, VAL_ATOL = 3e-2, 0.03
 
 
@@ -43,7 +45,9 @@ def test_the_same_loss_curve_under_every_launcher_and_engine(lm_runs):
     curves = {name: losses(out) for name, (out, _, _) in lm_runs.items()}
     reference = curves["python"]
     assert len(reference) == 100 and reference[-1] < 0.7 * reference[0]  # it learned
-    assert reference[0] == curves["accelerate"][0] == curves["ddp"][0] == curves["fsdp"][0]  # the same first batch
+    # The same first batch: its loss is the mean of two halves' means on two ranks, measured 1.2e-7 (2 ulp) from the
+    # whole batch's mean; another batch's differs by 1e-4 or more at initialisation.
+    assert all(abs(curves[name][0] / reference[0] - 1) <= FIRST_RTOL for name in ("accelerate", "ddp", "fsdp"))
     for name in ("accelerate", "ddp", "fsdp"):
         relative = [abs(a - b) / b for a, b in zip(curves[name], reference)]
         print(f"{name}: step-loss difference from python {max(relative[:EARLY_STEPS]):.1e} in the first "

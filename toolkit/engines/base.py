@@ -62,9 +62,10 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
     """Shared body of the plain-PyTorch engines. Each engine is one class over it (with shared parts mixed in
     before it: engines/group.py's world of ranks), sets `name`, and may override these hooks, each once:
     the world: `_select_device`, `process_index`, `local_process_index`, `num_processes`, `distributed_type`,
-    `is_fsdp2`, `wait_for_everyone`, `end_training`; the collectives: `_all_gather`, `_all_reduce`, `_gather_objects`;
-    a model: `prepare_model`, `_wrap_model`, `_no_sync`, `_trigger_sync`, `gathered_parameters`,
-    `get_state_dict`, `clip_grad_norm_`; the rest of prepare: `prepare`, `_prepare_one`. tests/test_layers.py
+    `is_fsdp2`, `wait_for_everyone`, `end_training`; a mesh's: `data_parallel_size`, `data_parallel_index`,
+    `data_parallel_rank`, `data_parallel_shard_rank`, `tensor_parallel_rank`; the collectives: `_all_gather`,
+    `_all_reduce`, `_gather_objects`; a model: `prepare_model`, `_wrap_model`, `_no_sync`, `_trigger_sync`,
+    `gathered_parameters`, `get_state_dict`, `clip_grad_norm_`, `forward_backward`; the rest of prepare: `prepare`, `_prepare_one`. tests/test_layers.py
     checks the list against the engines."""
 
     name = "torch"

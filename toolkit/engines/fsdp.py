@@ -79,6 +79,11 @@ def replicated_parameters(model: torch.nn.Module, units: list[torch.nn.Module]) 
     return {name: p for name, p in model.named_parameters() if p.ndim == 0 or len(owners.get(p, ())) > 1}
 
 
+def reduced_norm(norm: torch.Tensor) -> torch.Tensor:
+    """A gradient norm over sharded gradients (a DTensor), reduced over every rank that holds a shard of them."""
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
 def fsdp_modules(model):
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
@@ -213,10 +218,7 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
             with torch.no_grad():
                 for tensor in model.state_dict().values():
                     dist.broadcast(tensor, src=0)
-        if self._tp_mesh is not None:  # the plan replaces the parameters: those kept whole, found again by name
-            kept_names = [name for name, p in model.named_parameters() if any(p is q for q in replicated)]
-            parallelize(model, self._tp_mesh)
-            replicated = [model.get_parameter(name) for name in kept_names]
+        replicated = self._tensor_parallel(model, replicated)
         kwargs = dict(mesh=self._dp_mesh, mp_policy=policy, ignored_params=set(replicated),
                       offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if settings.cpu_offload
                       else OffloadPolicy())
@@ -234,8 +236,7 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
                 model.get_submodule(owner).register_buffer(leaf, buffer.to(self.device), persistent=False)
             set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         self._syncs[model] = GradientSync(model, replicated, self.data_parallel_size, self._data_group)
-        if self._tp_mesh is not None:  # after GradientSync's hook: `model(x)` gives whole logits, as on one process
-            model.register_forward_hook(lambda module, args, output: output if self._loss_parallel else whole(output))
+        self._whole_outputs(model)
         # DDP's name, which FSDP2 lacks: a script that accumulates with `model.no_sync()` (as on DDP and FSDP1)
         # keeps each micro-batch's gradients on its rank until a backward outside it reduces them all.
         model.no_sync = functools.partial(self._no_sync, model)
@@ -275,6 +276,21 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
         finally:
             self._loss_parallel = False
         return loss
+
+    def _tensor_parallel(self, model, replicated: list) -> list:
+        """Split the model by its tp plan over the mesh's tp dimension; the parameters FSDP keeps whole, found
+        again by name (the plan replaces every parameter)."""
+        if self._tp_mesh is None:
+            return replicated
+        kept = [name for name, p in model.named_parameters() if any(p is q for q in replicated)]
+        parallelize(model, self._tp_mesh)
+        return [model.get_parameter(name) for name in kept]
+
+    def _whole_outputs(self, model):
+        """Under tp, `model(x)` gives whole logits, as on one process (forward_backward keeps them split); hooked
+        after GradientSync's, which then sees the outputs the backward starts from."""
+        if self._tp_mesh is not None:
+            model.register_forward_hook(lambda module, args, output: output if self._loss_parallel else whole(output))
 
     def _units(self, model, settings: FSDPSettings, param_dtype) -> tuple[list, list]:
         """The modules sharded one by one before the root, and those of them that stay fp32 (`fp32_norms`): without
@@ -343,9 +359,7 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
         meshes = {id(p.grad.device_mesh): p.grad.device_mesh for p in parameters if isinstance(p.grad, DTensor)}
         groups = [[p for p in parameters if isinstance(p.grad, DTensor) and p.grad.device_mesh is mesh]
                   for mesh in meshes.values()] + [[p for p in parameters if not isinstance(p.grad, DTensor)]]
-        norms = [torch.nn.utils.get_total_norm([p.grad for p in group], norm_type) for group in groups]
-        # the shards' norms, reduced over the ranks that hold them
-        norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+        norms = [reduced_norm(torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)) for group in groups]
         total = torch.linalg.vector_norm(torch.stack([n.to(self.device) for n in norms]), norm_type)
         for group in groups:  # one foreach call cannot mix DTensor and plain gradients
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
