@@ -146,8 +146,10 @@ def _no_sync_still_reduces(wrap, fsdp):
     return wrap_model
 
 
-def _norm_of_one_shard(reduced_norm, fsdp):
-    return lambda norm: norm.to_local() if isinstance(norm, fsdp.DTensor) else norm
+def _norm_of_one_shard(gradient_norm, fsdp):
+    def this_ranks_shard(grads, norm_type):
+        return gradient_norm([g.to_local() if isinstance(g, fsdp.DTensor) else g for g in grads], norm_type)
+    return this_ranks_shard
 
 
 def _tp_ranks_read_apart(index, fsdp):  # the mesh's order mistaken: tp taken as the outer dimension
@@ -344,7 +346,7 @@ MUTATIONS = {
         ("tests/test_fsdp.py::test_model_no_sync_accumulates_as_on_ddp_and_reduces_once_per_optimizer_step",),
         "accelerate's meaning: model.no_sync() under fsdp still reduces every micro-batch's gradients"),
     "clip-norm-of-one-tp-shard": Mutation(
-        "toolkit.engines.fsdp", "reduced_norm", _norm_of_one_shard,
+        "toolkit.engines.fsdp", "gradient_norm", _norm_of_one_shard,
         (f"{TENSOR_PARALLEL}[tp2]",),
         "clipping under tp: the gradient's norm is this rank's shard's, so each tp rank clips by another factor"),
     "tp-ranks-read-different-batches": Mutation(

@@ -55,8 +55,10 @@ def one(tmp_path_factory):
 
 @pytest.mark.parametrize("name", MESHES)
 def test_the_lm_recipe_trains_under_a_tensor_parallel_mesh_as_one_process(one, tmp_path, name):
-    launch(tmp_path, name, "--output-dir", tmp_path / name)
+    proc = launch(tmp_path, name, "--output-dir", tmp_path / name)
     mesh, ref = steps(tmp_path / name), steps(one)
+    dims = " x ".join(f"{dim} {size}" for dim, size in MESHES[name][1].items())
+    assert f"per rank on mesh {dims} · MFU" in proc.stdout  # the evaluation line names the mesh
     assert sorted(mesh) == sorted(ref) == list(range(1, 21))
     assert max(abs(mesh[s]["loss"] - ref[s]["loss"]) for s in ref) <= LOSS
     # clipping is on (the preset's 1.0, and these norms are above it): the whole gradient's norm, every shard in it

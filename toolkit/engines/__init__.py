@@ -46,6 +46,12 @@ def resolve_engine(engine: str | None, env: LaunchEnv) -> str:
     return name
 
 
+def mesh_sizes(accelerator) -> dict | None:
+    """The device mesh's dimensions and sizes ({"dp_shard": 2, "tp": 2}), or None without one."""
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    return None if mesh is None else dict(zip(mesh.mesh_dim_names, mesh.shape))
+
+
 def engine_name(accelerator) -> str:
     """Which engine `accelerator` is: a toolkit engine's `name`, "accelerate" for Accelerate's own Accelerator,
     which the training parts (toolkit/train) work over as well.

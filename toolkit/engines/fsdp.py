@@ -79,8 +79,10 @@ def replicated_parameters(model: torch.nn.Module, units: list[torch.nn.Module]) 
     return {name: p for name, p in model.named_parameters() if p.ndim == 0 or len(owners.get(p, ())) > 1}
 
 
-def reduced_norm(norm: torch.Tensor) -> torch.Tensor:
-    """A gradient norm over sharded gradients (a DTensor), reduced over every rank that holds a shard of them."""
+def gradient_norm(grads: list[torch.Tensor], norm_type) -> torch.Tensor:
+    """The norm of gradients on one mesh, or whole ones: a sharded gradient's (a DTensor's) is reduced over every
+    rank that holds a shard of it (DTensor's reduction, whichever mesh dimensions those are)."""
+    norm = torch.nn.utils.get_total_norm(grads, norm_type)
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
@@ -359,7 +361,7 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
         meshes = {id(p.grad.device_mesh): p.grad.device_mesh for p in parameters if isinstance(p.grad, DTensor)}
         groups = [[p for p in parameters if isinstance(p.grad, DTensor) and p.grad.device_mesh is mesh]
                   for mesh in meshes.values()] + [[p for p in parameters if not isinstance(p.grad, DTensor)]]
-        norms = [reduced_norm(torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)) for group in groups]
+        norms = [gradient_norm([p.grad for p in group], norm_type) for group in groups]
         total = torch.linalg.vector_norm(torch.stack([n.to(self.device) for n in norms]), norm_type)
         for group in groups:  # one foreach call cannot mix DTensor and plain gradients
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)

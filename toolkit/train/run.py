@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from toolkit.engines import engine_name
+from toolkit.engines import engine_name, mesh_sizes
 from toolkit.errors import UserError, install_excepthook
 from toolkit.launch.env import read_launch_env
 from toolkit.train.attempts import agreed_restart_count, overall_rate, world_change_line, world_changes
@@ -43,12 +43,6 @@ from toolkit.train.profiling import StepProfiler
 from toolkit.train.records import RunRecorder, Throughput, check_fresh_output_dir
 from toolkit.train.resume import Resume, load_weights_and_schedule, schedule_among
 
-
-
-def mesh_sizes(accelerator) -> dict | None:
-    """The device mesh's dimensions and sizes ({"dp_shard": 2, "tp": 2}), or None without one."""
-    mesh = getattr(accelerator, "torch_device_mesh", None)
-    return None if mesh is None else dict(zip(mesh.mesh_dim_names, mesh.shape))
 
 class TrainingRun:
     """The run's schedule (optimizer steps per epoch and in all), its position (step, epoch, micro-batches of the
@@ -190,8 +184,10 @@ class TrainingRun:
                  + (f"; weight average (--ema-decay) {ema['ema_test_accuracy']:.4f}" if ema else ""))
         self.peak_memory = self.gathered_peak_memory()
         utilisation = self.mfu()
+        mesh = mesh_sizes(self.accelerator)
         self.say(f"{label}: {self.cost.report()} of the time since the last evaluation · peak memory "
-                 + peak_range(self.peak_memory)
+                 + peak_range(self.peak_memory) + " per rank"
+                 + (" on mesh " + " x ".join(f"{dim} {size}" for dim, size in mesh.items()) if mesh else "")
                  + (f" · MFU {utilisation:.0%}" if utilisation is not None else " · MFU unknown"))
         names = self.config.get("classes") or self.config.get("vocabulary")  # images.py's, lm.py's outputs
         self.divergence.check(metrics, final=self.step >= self.total_steps, classes=len(names) if names else None)
