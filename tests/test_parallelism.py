@@ -56,7 +56,7 @@ def test_hsdp_trains_evaluates_and_saves_as_a_plain_loop(hsdp):
 def test_a_mesh_that_does_not_tile_the_world_is_refused_in_one_sentence_under_toolkit_launch(tmp_path):
     proc = run(TOOLKIT + ["launch", "--config_file", profile(tmp_path, 2), "--engine", "fsdp", SCRIPTS / "probe.py",
                           "--out", tmp_path / "probe.json"], check=False, timeout=120)
-    sentence = ("error: the ParallelismConfig's mesh (dp_replicate 2 x dp_shard 2 x tp 1 = 4 processes) cannot tile this "
+    sentence = ("error: the ParallelismConfig's mesh (pp 1 x dp_replicate 2 x dp_shard 2 x tp 1 = 4 processes) cannot tile this "
                 "world of 2; make the sizes multiply to 2.")
     assert proc.returncode == 2 and (proc.stdout + proc.stderr).strip().splitlines()[-1] == sentence, proc.stderr
     assert (proc.stdout + proc.stderr).count("cannot tile") == 1
@@ -71,7 +71,7 @@ def test_toolkit_launch_takes_accelerate_launchs_mesh_flags_and_checks_them_befo
     proc = run(TOOLKIT + ["launch", "--config_file", cpu, "--engine", "fsdp", *flags, SCRIPTS / "probe.py", "--out",
                           tmp_path / "never.json"], check=False)
     assert proc.returncode == 2 and not (tmp_path / "never.json").exists()
-    assert proc.stderr.strip().splitlines() == ["error: the ParallelismConfig's mesh (dp_replicate 2 x dp_shard 2 x tp 1 "
+    assert proc.stderr.strip().splitlines() == ["error: the ParallelismConfig's mesh (pp 1 x dp_replicate 2 x dp_shard 2 x tp 1 "
                                                 "= 4 processes) cannot tile this world of 2; make the sizes multiply to 2."]
 
 
@@ -85,7 +85,7 @@ def test_a_scripts_parallelism_config_under_torchrun_is_refused_before_training_
     proc = run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(), script],
                check=False, timeout=120)
     assert proc.returncode != 0 and "TRAINED" not in proc.stdout
-    assert "mesh (dp_replicate 1 x dp_shard 4 x tp 1 = 4 processes) cannot tile this world of 2" in proc.stdout + proc.stderr
+    assert "mesh (pp 1 x dp_replicate 1 x dp_shard 4 x tp 1 = 4 processes) cannot tile this world of 2" in proc.stdout + proc.stderr
 
 
 def test_what_the_engine_does_not_run_is_refused_in_one_sentence():
@@ -94,9 +94,8 @@ def test_what_the_engine_does_not_run_is_refused_in_one_sentence():
 
     assert mesh_shape(ParallelismConfig(dp_shard_size=4), 4, "fsdp") == ((4,), ("dp_shard",))
     assert mesh_shape(ParallelismConfig(dp_shard_size=2, tp_size=2), 4, "fsdp") == ((2, 2), ("dp_shard", "tp"))
-    with pytest.raises(UserError, match=r"\(dp_replicate_size, dp_shard_size, tp_size\), not cp_size 2, pp_size 2; "
-                                        r"context parallel runs under the accelerate engine on GPUs, and pipeline "
-                                        r"parallel does not run yet"):
+    with pytest.raises(UserError, match=r"\(dp_replicate_size, dp_shard_size, tp_size, pp_size\), not cp_size 2; "
+                                        r"context parallel runs under the accelerate engine on GPUs"):
         mesh_shape(ParallelismConfig(cp_size=2, pp_size=2), 4, "fsdp")
     with pytest.raises(UserError, match="dp_replicate_size alone replicates the whole model, which is DDP"):
         mesh_shape(ParallelismConfig(dp_replicate_size=2), 2, "fsdp")
@@ -113,11 +112,11 @@ def test_toolkit_env_shows_the_profiles_mesh_and_refuses_one_that_cannot_tile(tm
     from toolkit.check.env import collect
 
     report = collect(str(profile(tmp_path, 4)), environ={})
-    assert report["toolkit_launch"]["mesh"] == {"dp_replicate": 2, "dp_shard": 2, "tp": 1, "cp": 1}
+    assert report["toolkit_launch"]["mesh"] == {"dp_replicate": 2, "dp_shard": 2, "tp": 1, "cp": 1, "pp": 1}
     assert not [f for f in report["findings"] if f["code"] == "mesh-refused"]
     refused = collect(str(profile(tmp_path, 2)), environ={})
     assert [f["message"] for f in refused["findings"] if f["code"] == "mesh-refused"] == [
-        "the ParallelismConfig's mesh (dp_replicate 2 x dp_shard 2 x tp 1 = 4 processes) cannot tile this world of 2; make "
+        "the ParallelismConfig's mesh (pp 1 x dp_replicate 2 x dp_shard 2 x tp 1 = 4 processes) cannot tile this world of 2; make "
         "the sizes multiply to 2."]
 
 

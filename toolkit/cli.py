@@ -39,9 +39,15 @@ def _launch_parser(sub):
                         "silent for 3 of them is dropped, so a lost machine's peers go on after 3 x S (default 5)")
     p.add_argument("--rdzv_timeout", "--rdzv-timeout", type=float, default=300.0,
                    help="seconds the machines of a multi-node job wait for each other before giving up")
-    for dim in ("dp_replicate", "dp_shard", "tp", "cp"):  # accelerate launch's names, over the profile's
+    for dim in ("dp_replicate", "dp_shard", "tp", "cp", "pp"):  # accelerate launch's names, over the profile's
         p.add_argument(f"--parallelism_config_{dim}_size", f"--parallelism-config-{dim.replace('_', '-')}-size",
-                       type=int, metavar="N", help=f"the device mesh's {dim} size (Accelerate's ParallelismConfig)")
+                       type=int, metavar="N", help=f"the device mesh's {dim} size (Accelerate's ParallelismConfig; "
+                       f"pp the toolkit's own)" if dim == "pp" else f"the device mesh's {dim} size (Accelerate's "
+                       f"ParallelismConfig)")
+    p.add_argument("--parallelism_config_pp_schedule", "--parallelism-config-pp-schedule", choices=("1f1b", "gpipe"),
+                   help="the pipeline's schedule (default 1f1b)")
+    p.add_argument("--parallelism_config_pp_microbatches", "--parallelism-config-pp-microbatches", type=int,
+                   metavar="M", help="the slices a pipeline splits each batch into (default: the pp size)")
     p.add_argument("--dry-run", "--dry_run", action="store_true", help="print the command and environment only")
     p.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args ...]")
 

@@ -77,9 +77,22 @@ def local_state_dicts(models, optimizers=()) -> tuple[list[dict], list[dict]]:
     parameter name: what save_sharded writes. Every rank calls it (under FSDP1 it is a collective)."""
     models = [unwrap_model(model) for model in models]
     model_states = [get_model_state_dict(model) for model in models]
-    optimizer_states = [get_optimizer_state_dict(_owner(models, optimizer, i), _inner(optimizer))
-                        for i, optimizer in enumerate(optimizers)]
+    optimizer_states = []
+    for i, optimizer in enumerate(optimizers):
+        owner = _owner(models, optimizer, i)
+        optimizer_states.append(_renamed(get_optimizer_state_dict(owner, _inner(optimizer)),
+                                         getattr(owner, "checkpoint_aliases", {})))
     return model_states, optimizer_states
+
+
+def _renamed(optimizer_state: dict, aliases: dict) -> dict:
+    """An optimizer's state under the whole model's parameter names: a pipeline stage that holds a tied weight under
+    its other name (the output head's, the embedding's being on the first stage) has an alias to the whole model's."""
+    if not aliases:
+        return optimizer_state
+    name = lambda key: aliases.get(key, key)  # noqa: E731
+    return {"state": {name(k): v for k, v in optimizer_state["state"].items()},
+            "param_groups": [{**g, "params": [name(k) for k in g["params"]]} for g in optimizer_state["param_groups"]]}
 
 
 def _owner(models, optimizer, index):
@@ -160,7 +173,9 @@ def load_shards(path, models=(), optimizers=()):
     for model, state in zip(models, model_states):
         set_model_state_dict(model, state)
     for i, (optimizer, state) in enumerate(zip(optimizers, optimizer_states)):
-        set_optimizer_state_dict(_owner(models, optimizer, i), _inner(optimizer), state)
+        owner = _owner(models, optimizer, i)
+        back = {whole: own for own, whole in getattr(owner, "checkpoint_aliases", {}).items()}
+        set_optimizer_state_dict(owner, _inner(optimizer), _renamed(state, back))
 
 
 def _check_fits(path, index, model, key):
@@ -169,8 +184,9 @@ def _check_fits(path, index, model, key):
     saved = {k[len(prefix):]: tuple(meta.size) for k, meta in index.state_dict_metadata.items()
              if k.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
     expected = {k: tuple(t.shape) for k, t in model.state_dict().items()}  # a DTensor's shape is the full one
+    elsewhere = getattr(model, "other_stages_keys", ())  # a pipeline stage's: the keys the other stages load
     missing = [k for k in expected if k not in saved]
-    unexpected = [k for k in saved if k not in expected]
+    unexpected = [k for k in saved if k not in expected and k not in elsewhere]
     reshaped = [f"{k} {saved[k]} vs model {expected[k]}" for k in saved if k in expected and saved[k] != expected[k]]
     if missing or unexpected or reshaped:
         raise UserError(mismatch_sentence(str(path), missing, unexpected, reshaped))

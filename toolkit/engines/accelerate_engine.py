@@ -102,9 +102,9 @@ class AccelerateEngine:
 
     name = "accelerate"
 
-    def __init__(self, env, *, timeout: float | None = None, checkpoint_format: str = "full", **kwargs):
+    def __init__(self, env, *, timeout: float | None = None, checkpoint_format: str | None = "full", **kwargs):
         self.env = env
-        self.checkpoint_format = check_checkpoint_format(checkpoint_format)  # save_state's: "full" or "sharded"
+        self.checkpoint_format = check_checkpoint_format(checkpoint_format or "full")  # save_state's: "full" or "sharded"
         self.seed = 0
         if "cpu" not in kwargs and cpu_requested(env):  # no CUDA, or a CPU profile on a GPU host; cpu= given wins
             kwargs["cpu"] = True

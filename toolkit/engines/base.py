@@ -74,7 +74,7 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
     def __init__(self, env: LaunchEnv, *, mixed_precision: str | None = None, gradient_accumulation_steps: int = 1,
                  split_batches: bool = False, step_scheduler_with_optimizer: bool = True, cpu: bool = False,
                  timeout: float | None = None,  # seconds a collective waits; only engines with peers use it
-                 checkpoint_format: str = "full",  # save_state's: "full", or "sharded" (each rank its own shards)
+                 checkpoint_format: str | None = "full",  # save_state's: "full", or "sharded" (each rank its own shards)
                  device_placement: bool = True, dataloader_config=None, log_with=None, project_dir=None,
                  project_config=None, gradient_accumulation_plugin=None, kwargs_handlers=None, rng_types=None,
                  dynamo_backend=None, dynamo_plugin=None, **accelerate_only):
@@ -89,7 +89,7 @@ class TorchEngine(AccelerateSettingsMixin, CheckpointingMixin, ProcessesMixin, T
         if steps < 1:
             raise UserError(f"gradient_accumulation_steps must be at least 1, not {steps}.")
         self.env = env
-        self.checkpoint_format = check_checkpoint_format(checkpoint_format)
+        self.checkpoint_format = check_checkpoint_format(checkpoint_format or "full")
         self.mixed_precision = mixed_precision
         self.gradient_accumulation_steps = steps
         self.sync_with_dataloader = getattr(plugin, "sync_with_dataloader", True)

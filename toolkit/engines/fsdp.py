@@ -26,15 +26,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import weakref
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -45,101 +41,16 @@ from toolkit.engines.group import ProcessGroupMixin
 from toolkit.config import listing
 from toolkit.errors import UserError
 from toolkit.engines.gradient_sync import GradientSync
-from toolkit.launch.parallelism import ParallelismConfig, mesh_shape, read_parallelism_config
+from toolkit.launch.parallelism import ParallelismConfig, read_parallelism_config
 from toolkit.engines.units import checkpoint_modules, shard_units
-from toolkit.engines.tensor_parallel import flat_group, parallelize, split_mesh, whole
+from toolkit.engines.tensor_parallel import parallelize, whole
+from toolkit.engines.mesh import build_mesh
+from toolkit.engines.pipeline import Pipeline
+from toolkit.engines.fsdp_parts import (_RESHARD, FULL, FSDPOptimizer, fsdp_modules, full_parameters,  # noqa: F401
+                                        gradient_norm, replicated_parameters)
 from toolkit.engines.fsdp_settings import (FSDPSettings, fp32_norms, ignored_parameters, mixed_precision_dtype,
                                            non_persistent_buffers, read_plugin, settings_from_profile, to_meta,
                                            wrapped_units)
-
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on rank 0, in CPU memory
-
-
-def replicated_parameters(model: torch.nn.Module, units: list[torch.nn.Module]) -> dict[str, torch.nn.Parameter]:
-    """The parameters fully_shard must leave whole (`ignored_params`), by name in the model's order: scalars (a 0-dim
-    tensor has no dimension to split) and parameters that more than one unit uses, the root counting as one
-    (each unit's fully_shard would replace a tied weight by a shard of its own, untying it). A parameter belongs
-    to the innermost unit around the module that registers it, so nested units (size-based wrapping) share none.
-
-    >>> lm = torch.nn.ModuleDict({"embed": torch.nn.Embedding(5, 4), "head": torch.nn.Linear(4, 5)})
-    >>> lm.head.weight = lm.embed.weight
-    >>> lm.temperature = torch.nn.Parameter(torch.tensor(1.0))
-    >>> list(replicated_parameters(lm, shard_units(lm)))
-    ['temperature', 'embed.weight']
-    """
-    unit_ids = {id(unit) for unit in units}
-    # Every place a unit is registered, longest (innermost) first: a module's owner is the first that prefixes it.
-    prefixes = sorted((name + "." for name, m in model.named_modules(remove_duplicate=False) if id(m) in unit_ids),
-                      key=len, reverse=True)
-    owners: dict[torch.nn.Parameter, set[str]] = {}
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        owner = next((p for p in prefixes if (module_name + ".").startswith(p)), "")
-        for _, param in module.named_parameters(recurse=False, remove_duplicate=False):
-            owners.setdefault(param, set()).add(owner)
-    return {name: p for name, p in model.named_parameters() if p.ndim == 0 or len(owners.get(p, ())) > 1}
-
-
-def gradient_norm(grads: list[torch.Tensor], norm_type) -> torch.Tensor:
-    """The norm of gradients on one mesh, or whole ones: a sharded gradient's (a DTensor's) is reduced over every
-    rank that holds a shard of it (DTensor's reduction, whichever mesh dimensions those are)."""
-    norm = torch.nn.utils.get_total_norm(grads, norm_type)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-
-def fsdp_modules(model):
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-# Each unit's reshard_after_forward, for full_parameters to put back (FSDP2 has no getter).
-_RESHARD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-@contextlib.contextmanager
-def full_parameters(model):
-    """Keep every block of an FSDP model unsharded until exit, so forwards run without collectives: a rank
-    may then evaluate more batches than its peers (exact evaluation over uneven shards). No-op otherwise."""
-    units = fsdp_modules(model)
-    for unit in units:
-        unit.unshard()
-        unit.set_reshard_after_forward(False, recurse=False)
-    try:
-        yield
-    finally:
-        for unit in units:
-            unit.set_reshard_after_forward(_RESHARD.get(unit, True), recurse=False)
-            unit.reshard()
-
-
-class FSDPOptimizer(PreparedOptimizer):
-    """The optimizer of a sharded model. Its state dict is the FULL one, in torch's usual layout (state keyed
-    by parameter index), so a checkpoint from fsdp resumes under ddp or single and back. Both calls are
-    collectives: every rank calls them; only the main process receives the state."""
-
-    def __init__(self, optimizer, engine, model):
-        super().__init__(optimizer, engine)
-        self.model = model
-        names = {p: name for name, p in model.named_parameters()}
-        self.names = [names[p] for group in optimizer.param_groups for p in group["params"]]
-
-    def state_dict(self):
-        full = get_optimizer_state_dict(self.model, self.optimizer, options=FULL)
-        if not self.engine.is_main_process:
-            return {}
-        index = {name: i for i, name in enumerate(self.names)}
-        return {"state": {index[name]: value for name, value in full["state"].items()},
-                "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in full["param_groups"]]}
-
-    def load_state_dict(self, state_dict):
-        if not state_dict["state"]:
-            # No per-parameter state (SGD without momentum): nothing is sharded, and torch's full-state load
-            # cannot place what has no tensor ("Expected device to be set"). The groups' settings load as is.
-            self.optimizer.load_state_dict(state_dict)
-            return
-        by_name = {"state": {self.names[i]: value for i, value in state_dict["state"].items()},
-                   "param_groups": [{**g, "params": [self.names[i] for i in g["params"]]}
-                                    for g in state_dict["param_groups"]]}
-        set_optimizer_state_dict(self.model, self.optimizer, by_name, options=StateDictOptions(full_state_dict=True))
-
 
 class FSDPEngine(ProcessGroupMixin, TorchEngine):
     name = "fsdp"
@@ -161,15 +72,21 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
         config = parallelism_config if parallelism_config is not None else (
             ParallelismConfig(**env.parallelism_sizes) if env.parallelism_sizes else None)
         self.parallelism_config = None if config is None else read_parallelism_config(config)
-        shape, names = ((self._world,), ("dp_shard",)) if config is None else mesh_shape(
-            self.parallelism_config, self._world, self.name)
-        self._mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+        # tp splits each layer (engines/tensor_parallel.py), pp cuts the model into stages (engines/pipeline.py);
+        # FSDP shards over the data-parallel dimensions only.
+        self._parts = build_mesh(self.parallelism_config, self._world, self.device.type, self.name)
+        self._mesh, self._dp_mesh, self._tp_mesh = self._parts.mesh, self._parts.data, self._parts.tp
+        self._data_group = self._parts.data_group
         self.torch_device_mesh = None if config is None else self._mesh
-        # tp splits each layer (engines/tensor_parallel.py); FSDP shards over the data-parallel dimensions only.
-        self._tp_mesh, self._dp_mesh = split_mesh(self._mesh)
-        self._tp_size = 1 if self._tp_mesh is None else self._tp_mesh.size()
-        if self._tp_mesh is not None:
-            self._data_group = flat_group(self._dp_mesh)
+        self._pipelines: dict = {}  # prepared model -> its stage (engines/pipeline.py), under pp
+        if self._parts.pp_size > 1:
+            if checkpoint_format == "full":
+                raise UserError("under pipeline parallel each stage holds its own blocks: save_state writes the "
+                                "sharded format; use checkpoint_format sharded (--checkpoint-format sharded).")
+            self.checkpoint_format = "sharded"
+            if settings is not None:  # every rank builds the whole model before its stage is cut from it (Accelerate's
+                # profiles turn this on by default; it saves memory at load time only, and a stage is already a part)
+                self.fsdp_settings = dataclasses.replace(settings, cpu_ram_efficient_loading=False)
         self._loss_parallel = False  # forward_backward's: the logits stay split over the vocabulary for the loss
         self._swapped = {}  # original parameter -> its sharded replacement (optimizers built before prepare)
         self._models = []
@@ -190,7 +107,10 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
 
     def _wrap_model(self, model):
         settings = self.fsdp_settings or FSDPSettings(reshard_after_forward=None)  # None: fully_shard's own default
-        names = {p: name for name, p in model.named_parameters()}
+        names: dict = {}  # every name of each parameter: a tied one may keep only its other name on a pipeline stage
+        for name, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(p, []).append(name)
+        pipeline = self._cut(model)
         dtype = amp_dtype(self.mixed_precision)
         # bf16 compute, fp32 gradient reduction; the blocks hand on bf16 activations, the root fp32 outputs.
         policy = settings.mixed_precision_policy or MixedPrecisionPolicy(
@@ -214,12 +134,8 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
             kept = non_persistent_buffers(model)
             moved = to_meta(model)
             replicated = [moved.get(p, p) for p in replicated]
-        elif self._world > 1:
-            # As DDP does when it wraps: every rank starts from rank 0's weights (ranks seeded apart
-            # initialise differently, and fully_shard would keep each rank's own slice of its own init).
-            with torch.no_grad():
-                for tensor in model.state_dict().values():
-                    dist.broadcast(tensor, src=0)
+        elif pipeline is None:
+            self._from_rank0(model)
         replicated = self._tensor_parallel(model, replicated)
         kwargs = dict(mesh=self._dp_mesh, mp_policy=policy, ignored_params=set(replicated),
                       offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if settings.cpu_offload
@@ -244,14 +160,18 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
         model.no_sync = functools.partial(self._no_sync, model)
         # fully_shard replaced every parameter by a sharded one; optimizers made before must follow.
         sharded = dict(model.named_parameters())
-        self._swapped.update({old: sharded[name] for old, name in names.items()})
+        # None: a parameter another pipeline stage holds
+        self._swapped.update({old: next((sharded[n] for n in found if n in sharded), None) for old, found in names.items()})
+        if pipeline is not None:
+            self._pipelines[model] = pipeline
+            model.forward = functools.partial(pipeline.forward, model)
         if self._world > 1 and any(True for _ in model.buffers()):
             model.register_forward_pre_hook(self._broadcast_buffers)
         return model
 
     # The processes that read different batches: the tp ranks of one group read the same (tp innermost).
-    data_parallel_size = property(lambda self: self._world // self._tp_size)
-    data_parallel_index = property(lambda self: self._rank // self._tp_size)
+    data_parallel_size = property(lambda self: self._parts.data_parallel_size)
+    data_parallel_index = property(lambda self: self._parts.data_parallel_index(self._rank))
 
     def _local_rank(self, dim: str) -> int:  # Accelerate's: 0 along a dimension the mesh does not have
         names = self._mesh.mesh_dim_names
@@ -266,7 +186,18 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
 
     def forward_backward(self, model, inputs, targets, loss_fn, backward_if=None):
         """As on every engine; under tp the loss runs on logits split over the vocabulary (torch's loss_parallel:
-        each rank's share of the softmax, never the whole logits), and the loss comes back whole."""
+        each rank's share of the softmax, never the whole logits), and the loss comes back whole. Under pp it is the
+        schedule over micro-batches (engines/pipeline.py); its mean loss comes back on every stage."""
+        pipeline = self._pipelines.get(uncompiled(model))
+        if pipeline is not None:
+            loss = pipeline.step(model, inputs, targets, loss_fn, self.gradient_accumulation_steps)
+            self._observers.backward(loss)
+            if self.sync_gradients:
+                pipeline.sum_tied(uncompiled(model))
+            if backward_if is not None and not backward_if(loss):
+                raise UserError("a pipeline's loss is known only once its schedule has run the backward, so a step "
+                                "cannot be skipped under pp_size; train without --skip-nonfinite there.")
+            return loss
         if self._tp_mesh is None:
             return super().forward_backward(model, inputs, targets, loss_fn, backward_if)
         self._loss_parallel = True
@@ -278,6 +209,22 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
         finally:
             self._loss_parallel = False
         return loss
+
+    def _from_rank0(self, model):
+        """As DDP does when it wraps: every rank starts from rank 0's weights (ranks seeded apart initialise
+        differently, and fully_shard would keep each rank's own slice of its own init)."""
+        if self._world > 1:
+            with torch.no_grad():
+                for tensor in model.state_dict().values():
+                    dist.broadcast(tensor, src=0)
+
+    def _cut(self, model):
+        """Under pp: the whole model from rank 0, then cut to this rank's stage (engines/pipeline.py)."""
+        if self._parts.pp_size == 1:
+            return None
+        self._from_rank0(model)
+        config = self.parallelism_config
+        return Pipeline(model, self._mesh, config.pp_schedule, config.pp_microbatches, self.device)
 
     def _tensor_parallel(self, model, replicated: list) -> list:
         """Split the model by its tp plan over the mesh's tp dimension; the parameters FSDP keeps whole, found
@@ -324,8 +271,8 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
         if optimizer.state:
             raise UserError("prepare the optimizer before its first step under the fsdp engine: sharding "
                             "replaces the parameters its state belongs to.")
-        for group in optimizer.param_groups:
-            group["params"] = [self._swapped.get(p, p) for p in group["params"]]
+        for group in optimizer.param_groups:  # under pp, another stage's parameters leave this rank's optimizer
+            group["params"] = [self._swapped.get(p, p) for p in group["params"] if self._swapped.get(p, p) is not None]
         # Its first parameter names its model; a group may be empty (a frozen backbone's, under --head-lr).
         first = next((p for group in optimizer.param_groups for p in group["params"]), None)
         owners = [m for m in self._models if any(p is first for p in m.parameters())]
@@ -359,10 +306,14 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
                       if p.grad is not None]
         # One group per mesh the gradients live on (FSDP's, tp's, both), and the whole ones'
         meshes = {id(p.grad.device_mesh): p.grad.device_mesh for p in parameters if isinstance(p.grad, DTensor)}
-        groups = [[p for p in parameters if isinstance(p.grad, DTensor) and p.grad.device_mesh is mesh]
-                  for mesh in meshes.values()] + [[p for p in parameters if not isinstance(p.grad, DTensor)]]
-        norms = [gradient_norm([p.grad for p in group], norm_type) for group in groups]
+        groups = counted = [[p for p in parameters if isinstance(p.grad, DTensor) and p.grad.device_mesh is mesh]
+                            for mesh in meshes.values()] + [[p for p in parameters if not isinstance(p.grad, DTensor)]]
+        for model, pipeline in self._pipelines.items():  # a weight tied across stages counts once
+            counted = [pipeline.counted(model, group) for group in counted]
+        norms = [gradient_norm([p.grad for p in group], norm_type) for group in counted]
         total = torch.linalg.vector_norm(torch.stack([n.to(self.device) for n in norms]), norm_type)
+        for pipeline in self._pipelines.values():  # every stage's part of the whole model's norm
+            total = pipeline.combine_norm(total, norm_type)
         for group in groups:  # one foreach call cannot mix DTensor and plain gradients
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
         return total

@@ -136,20 +136,6 @@ def _tied(model: nn.Module) -> list[list[str]]:
     return [names for names in by_param.values() if len(names) > 1]
 
 
-def split_mesh(mesh):
-    """(the tp dimension or None, the data-parallel dimensions FSDP shards over) of the engine's mesh."""
-    names = mesh.mesh_dim_names
-    if "tp" not in names:
-        return None, mesh
-    data = tuple(name for name in names if name != "tp")
-    return mesh["tp"], mesh[data[0]] if len(data) == 1 else mesh[data]
-
-
-def flat_group(mesh):
-    """The process group of all of `mesh`'s ranks (its dimensions flattened into one)."""
-    return mesh.get_group() if mesh.ndim == 1 else mesh._flatten("_".join(mesh.mesh_dim_names)).get_group()
-
-
 def whole(output):
     """A model's output as the user's code sees it: DTensors (logits split over the vocabulary) made whole."""
     if isinstance(output, DTensor):

@@ -270,9 +270,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
         gloo_socket_ifname=environ.get("GLOO_SOCKET_IFNAME") or None,
         accelerate_fsdp=environ.get("ACCELERATE_USE_FSDP", "").lower() == "true",
         accelerate_dynamo=environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower() != "no",
-        parallelism_sizes={f"{dim}_size": _int(environ, f"PARALLELISM_CONFIG_{dim.upper()}_SIZE", default=1)
-                           for dim in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
-        if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() == "true" else None,
+        parallelism_sizes=_parallelism(environ),
         use_cpu=use_cpu,
         parity_dir=environ.get("TOOLKIT_PARITY_DIR") or None,
         debug_nan_step=_int(environ, "TOOLKIT_DEBUG_NAN_STEP"),
@@ -295,3 +293,17 @@ def _cpu_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # macOS and Windows have no affinity call
         return os.cpu_count() or 1
+
+
+def _parallelism(environ) -> dict | None:
+    """The mesh accelerate launch hands over (ACCELERATE_USE_PARALLELISM_CONFIG, PARALLELISM_CONFIG_*_SIZE), with the
+    toolkit's pipeline fields (PARALLELISM_CONFIG_PP_SIZE, _PP_SCHEDULE, _PP_MICROBATCHES), which toolkit launch sets."""
+    if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() != "true":
+        return None
+    found = {f"{dim}_size": _int(environ, f"PARALLELISM_CONFIG_{dim.upper()}_SIZE", default=1)
+             for dim in ("dp_replicate", "dp_shard", "tp", "cp", "sp", "pp")}
+    if environ.get("PARALLELISM_CONFIG_PP_SCHEDULE"):
+        found["pp_schedule"] = environ["PARALLELISM_CONFIG_PP_SCHEDULE"]
+    if environ.get("PARALLELISM_CONFIG_PP_MICROBATCHES"):
+        found["pp_microbatches"] = _int(environ, "PARALLELISM_CONFIG_PP_MICROBATCHES")
+    return found

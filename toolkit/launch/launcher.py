@@ -229,21 +229,24 @@ def plan_launch(profile: Profile, engine: str, script_and_args: list[str], gpus:
     return LaunchPlan([sys.executable] + list(script_and_args), env, tuple(notes), max_restarts)
 
 
-MESH_FLAGS = ("dp_replicate", "dp_shard", "tp", "cp")
+MESH_FLAGS = ("dp_replicate", "dp_shard", "tp", "cp", "pp")  # pp: the toolkit's own (Accelerate has none)
 
 
 def with_mesh(plan: LaunchPlan, args, engine: str, processes: int) -> LaunchPlan:
     """accelerate launch's --parallelism_config_*_size flags over the profile's parallelism_config, handed to the
     processes as accelerate launch hands them; the mesh checked against the world before any process starts,
     for the engine that builds one."""
-    given = {dim: getattr(args, f"parallelism_config_{dim}_size", None) for dim in MESH_FLAGS}
+    given = {f"{dim}_SIZE": getattr(args, f"parallelism_config_{dim}_size", None) for dim in MESH_FLAGS}
+    given.update(PP_SCHEDULE=getattr(args, "parallelism_config_pp_schedule", None),
+                 PP_MICROBATCHES=getattr(args, "parallelism_config_pp_microbatches", None))
     env = dict(plan.env)
-    if any(size is not None for size in given.values()):
+    if any(value is not None for value in given.values()):
         env["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
-        env.update({f"PARALLELISM_CONFIG_{dim.upper()}_SIZE": str(size) for dim, size in given.items() if size is not None})
+        env.update({f"PARALLELISM_CONFIG_{key.upper()}": str(value) for key, value in given.items() if value is not None})
     sizes = mesh_sizes(env)
     if sizes is not None and engine_spec(engine).shards:
-        mesh_shape(ParallelismConfig(**{f"{dim}_size": size for dim, size in sizes.items()}), processes, engine)
+        mesh_shape(ParallelismConfig(**{f"{dim}_size": size for dim, size in sizes.items()},
+                                     pp_schedule=env.get("PARALLELISM_CONFIG_PP_SCHEDULE", "1f1b")), processes, engine)
     return dataclasses.replace(plan, env=env)
 
 

@@ -4,17 +4,22 @@ profile's `parallelism_config` keys, which `accelerate launch` and `toolkit laun
 PARALLELISM_CONFIG_* variables (`toolkit launch` also takes accelerate launch's `--parallelism_config_*_size` flags
 over the profile's, and checks the mesh against the world before it starts any process).
 
-The fsdp engine runs the data-parallel dimensions and tensor parallel: `dp_shard` alone is FSDP, `dp_replicate` x
-`dp_shard` is HSDP (each shard group keeps 1/dp_shard of the model; the replicas average their gradients), and `tp`
-splits each layer by the plan the model declares (engines/tensor_parallel.py), on a mesh named as Accelerate names
-it and exposed as `accelerator.torch_device_mesh`. Context and pipeline dimensions are refused in one sentence,
-before any process trains, as is a mesh that does not tile the world.
+The fsdp engine runs the data-parallel dimensions, tensor parallel and pipeline parallel: `dp_shard` alone is FSDP,
+`dp_replicate` x `dp_shard` is HSDP (each shard group keeps 1/dp_shard of the model; the replicas average their
+gradients), `tp` splits each layer by the plan the model declares (engines/tensor_parallel.py) and `pp` cuts it into
+stages between its blocks (engines/pipeline.py), on a mesh named as Accelerate names it and exposed as
+`accelerator.torch_device_mesh`. `pp_size`, `pp_schedule` and `pp_microbatches` are the toolkit's own fields, as
+Accelerate has no pipeline parallel: `toolkit launch --parallelism-config-pp-size N` (and -pp-schedule, -pp-microbatches)
+hands them over as PARALLELISM_CONFIG_PP_* variables. The context dimensions are refused in one sentence, before any
+process trains, as is a mesh that does not tile the world.
 
     >>> config = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)
     >>> mesh_shape(config, world=4, engine="fsdp")
     ((2, 2), ('dp_replicate', 'dp_shard'))
     >>> mesh_shape(ParallelismConfig(tp_size=2), world=2, engine="fsdp")
     ((1, 2), ('dp_shard', 'tp'))
+    >>> mesh_shape(ParallelismConfig(pp_size=2, dp_shard_size=2), world=4, engine="fsdp")
+    ((2, 2), ('pp', 'dp_shard'))
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 from toolkit.errors import UserError
 
 SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size", "pp_size")
+SCHEDULES = ("1f1b", "gpipe")
 
 
 @dataclass
@@ -37,13 +43,22 @@ class ParallelismConfig:
     cp_size: int | None = None
     sp_size: int | None = None
     pp_size: int | None = None
+    pp_schedule: str = "1f1b"  # the toolkit's, as pp_size: "1f1b" or "gpipe" (torch.distributed.pipelining)
+    pp_microbatches: int | None = None  # the slices a pipeline splits each batch into (None: pp_size)
 
     def __post_init__(self):
-        for name in SIZES:
+        for name in SIZES + ("pp_microbatches",):
+            if name == "pp_microbatches" and self.pp_microbatches is None:
+                continue
             value = 1 if getattr(self, name) is None else getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UserError(f"ParallelismConfig's {name} must be a whole number of at least 1, not {value!r}.")
             setattr(self, name, value)
+        self.pp_schedule = str(self.pp_schedule).lower()
+        if self.pp_schedule not in SCHEDULES:
+            raise UserError(f"ParallelismConfig's pp_schedule must be one of {', '.join(SCHEDULES)}, not "
+                            f"{self.pp_schedule!r}.")
+        self.pp_microbatches = self.pp_microbatches or self.pp_size
 
     @property
     def total_size(self) -> int:
@@ -57,29 +72,30 @@ def read_parallelism_config(config) -> ParallelismConfig:
     """The toolkit's config, or Accelerate's read by its field names (it has no pp_size)."""
     if isinstance(config, ParallelismConfig):
         return config
-    return ParallelismConfig(**{name: getattr(config, name, None) for name in SIZES})
+    return ParallelismConfig(**{name: getattr(config, name, None) for name in SIZES},
+                             pp_schedule=getattr(config, "pp_schedule", "1f1b"),
+                             pp_microbatches=getattr(config, "pp_microbatches", None))
 
 
 def mesh_shape(config: ParallelismConfig, world: int, engine: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """The mesh's sizes and dimension names for `world` processes, in Accelerate's order (dp_replicate, dp_shard,
-    tp: the ranks of one tp group are neighbours, as on one node's fast links), or one sentence saying why it cannot
-    run. With tp, `dp_shard` is always a dimension (of size 1 when only tp is asked): FSDP2 shards over it."""
-    others = [f"{name} {getattr(config, name)}" for name in ("cp_size", "sp_size", "pp_size")
-              if getattr(config, name) > 1]
+    """The mesh's sizes and dimension names for `world` processes, in torchtitan's order (pp, dp_replicate, dp_shard,
+    tp: the ranks of one tp group are neighbours, as on one node's fast links; pipeline stages are furthest apart,
+    as their traffic is the least), or one sentence saying why it cannot run. With tp or pp, `dp_shard` is always a
+    dimension (of size 1 when no data parallel is asked): FSDP2 shards over it."""
+    others = [f"{name} {getattr(config, name)}" for name in ("cp_size", "sp_size") if getattr(config, name) > 1]
     if others:
-        raise UserError(f"the {engine} engine runs the data-parallel and tensor-parallel dimensions of a "
-                        f"ParallelismConfig (dp_replicate_size, dp_shard_size, tp_size), not {', '.join(others)}; "
-                        f"context parallel runs under the accelerate engine on GPUs, and pipeline parallel does not "
-                        f"run yet.")
-    replicate, shard, tp = config.dp_replicate_size, config.dp_shard_size, config.tp_size
-    if replicate * shard * tp != world:
-        raise UserError(f"the ParallelismConfig's mesh (dp_replicate {replicate} x dp_shard {shard} x tp {tp} = "
-                        f"{replicate * shard * tp} processes) cannot tile this world of {world}; make the sizes "
-                        f"multiply to {world}.")
+        raise UserError(f"the {engine} engine runs the data-parallel, tensor-parallel and pipeline dimensions of a "
+                        f"ParallelismConfig (dp_replicate_size, dp_shard_size, tp_size, pp_size), not "
+                        f"{', '.join(others)}; context parallel runs under the accelerate engine on GPUs.")
+    pp, replicate, shard, tp = config.pp_size, config.dp_replicate_size, config.dp_shard_size, config.tp_size
+    if pp * replicate * shard * tp != world:
+        raise UserError(f"the ParallelismConfig's mesh (pp {pp} x dp_replicate {replicate} x dp_shard {shard} x tp "
+                        f"{tp} = {pp * replicate * shard * tp} processes) cannot tile this world of {world}; make "
+                        f"the sizes multiply to {world}.")
     if replicate > 1 and shard == 1:
         raise UserError("dp_replicate_size alone replicates the whole model, which is DDP: use the ddp engine, or "
                         "give dp_shard_size as well (HSDP).")
-    sizes = [(replicate, "dp_replicate")] if replicate > 1 else []
+    sizes = ([(pp, "pp")] if pp > 1 else []) + ([(replicate, "dp_replicate")] if replicate > 1 else [])
     sizes += [(shard, "dp_shard")] + ([(tp, "tp")] if tp > 1 else [])
     return tuple(size for size, _ in sizes), tuple(name for _, name in sizes)
 

@@ -104,6 +104,9 @@ class GPT(nn.Module):
         "ln_f": "sequence_parallel",
         "head": "loss_parallel",
     }
+    # Where pipeline stages cut (toolkit/engines/pipeline.py): between the blocks; the first stage also runs `embed`
+    # with its modules, the last `output` with its.
+    _pp_plan = {"embed": ["tok_emb", "pos_emb", "drop"], "blocks": "blocks", "output": ["ln_f", "head"]}
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -124,13 +127,21 @@ class GPT(nn.Module):
                 nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.output(x)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Tokens (batch x time) to the residual stream: token plus position embeddings."""
         time = idx.shape[1]
         if time > self.cfg.block_size:
             raise ValueError(f"a sequence of {time} tokens is longer than block_size {self.cfg.block_size}")
         # The position embedding is called as a module, not indexed: under FSDP its weight is gathered by its call.
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(torch.arange(time, device=idx.device)))
-        for block in self.blocks:
-            x = block(x)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(torch.arange(time, device=idx.device)))
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream to logits over the vocabulary."""
         return self.head(self.ln_f(x))
 
 

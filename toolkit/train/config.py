@@ -52,9 +52,10 @@ class TrainingConfig:
     channels_last: bool = field(default=False, metadata={"help": "NHWC memory format (faster on tensor cores)"})
     checkpoint_every: int = field(default=0, metadata={"help": "optimizer steps between checkpoints (0: epochs)"})
     keep: int = field(default=3, metadata={"help": "checkpoints kept"})
-    checkpoint_format: str = field(default="full", metadata={"choices": list(CHECKPOINT_FORMATS), "help": "full: "
-                                   "weights gathered into one safetensors file; sharded: each rank writes its own "
-                                   "shards (torch.distributed.checkpoint), resumable at any world size"})
+    checkpoint_format: str | None = field(default=None, metadata={"choices": list(CHECKPOINT_FORMATS), "help": "full: "
+                                          "weights gathered into one safetensors file; sharded: each rank writes its "
+                                          "own shards (torch.distributed.checkpoint), resumable at any world size "
+                                          "(default: the engine's, full unless an FSDP profile or a pipeline shards)"})
     resume: str | None = field(default=None, metadata={"help": "auto (latest in output-dir) or a checkpoint path"})
     allow_config_change: bool = field(default=False, metadata={"help": "resume with values that change the training "
                                       "(schedule, lr, global batch, precision, seed, data); refused without it"})
