@@ -156,6 +156,18 @@ def _tp_ranks_read_apart(index, fsdp):  # the mesh's order mistaken: tp taken as
     return property(lambda self: self._rank % self.data_parallel_size)
 
 
+def _microbatch_losses_summed(scaled_loss, pipeline):
+    def summed(self, output, target):  # divided by the accumulation only: the micro-batches' gradients add up
+        return scaled_loss(self, output, target) * self.microbatches
+    return summed
+
+
+def _stage_takes_the_first_blocks(stage_blocks, pipeline):
+    def first_blocks(blocks, indices):  # the stage's numbers, but the whole model's first blocks' weights
+        return pipeline.nn.ModuleDict({str(i): blocks[k] for k, i in enumerate(indices)})
+    return first_blocks
+
+
 def _reshard_ignored(read_plugin, settings):
     import dataclasses
 
@@ -287,6 +299,7 @@ def _abbreviations_taken(init, config):
 
 PARITY, FLAGS, API = "tests/test_parity.py", "tests/test_flags.py", "tests/test_engine_api.py"
 OPTIMIZERS, RECIPE = "tests/test_optimizers.py", "tests/test_recipe.py"
+PIPELINE = "tests/test_pipeline.py::test_the_lm_recipe_trains_under_a_pipeline_as_one_process"
 TENSOR_PARALLEL = "tests/test_tensor_parallel.py::test_the_lm_recipe_trains_under_a_tensor_parallel_mesh_as_one_process"
 MUTATIONS = {
     "clipping-on-micro-steps": Mutation(
@@ -353,6 +366,14 @@ MUTATIONS = {
         "toolkit.engines.fsdp", "FSDPEngine.data_parallel_index", _tp_ranks_read_apart,
         (f"{TENSOR_PARALLEL}[dp_shard2_tp2]",),
         "tensor parallel: the ranks of one tp group read different batches, so each layer's shards see other data"),
+    "pipeline-microbatch-losses-summed": Mutation(
+        "toolkit.engines.pipeline", "Pipeline._scaled_loss", _microbatch_losses_summed,
+        (f"{PIPELINE}[pp2_1f1b]",),
+        "pipeline: the micro-batches' losses are summed, so the step's gradient grows with their count"),
+    "stage-loads-the-wrong-blocks": Mutation(
+        "toolkit.engines.pipeline", "stage_blocks", _stage_takes_the_first_blocks,
+        (f"{PIPELINE}[pp2_1f1b]",),
+        "pipeline: the last stage holds the first block's weights under its own block's name"),
     "reshard-after-forward-ignored": Mutation(
         "toolkit.engines.fsdp_settings", "read_plugin", _reshard_ignored,
         ("tests/test_fsdp_settings.py::test_reshard_after_forward_false_keeps_the_gathered_weights_for_backward",),

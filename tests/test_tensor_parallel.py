@@ -1,14 +1,14 @@
 """Tensor parallel under the fsdp engine (toolkit/engines/tensor_parallel.py), from the plan GPT declares as data
 (toolkit/models/gpt.py `_tp_plan`): recipes/lm.py trains under tp=2, tp=4 and dp_shard=2 x tp=2 as one process
 trains, with the same clipping norm and the same evaluation count; a sharded checkpoint of dp_shard=2 x tp=2 resumes
-in one process and under tp=2 on the one-process curve; a tp size that cannot split the heads is one sentence.
+in one process and under pp=2 on the one-process curve; a tp size that cannot split the heads is one sentence.
 The one-process reference is the recipe itself without an accelerator mesh (engine single): no toolkit mesh code.
 """
 
 import json
 
 import pytest
-from conftest import PY, ROOT, TOOLKIT, cpu_fsdp_profile, read_json, run
+from conftest import CONFIGS, PY, ROOT, TOOLKIT, cpu_fsdp_profile, read_json, run
 
 from toolkit.errors import UserError
 
@@ -69,12 +69,14 @@ def test_the_lm_recipe_trains_under_a_tensor_parallel_mesh_as_one_process(one, t
     # every validation window counted once, though the ranks of a tp group evaluate the same windows
     assert summary["test_count"] == reference["test_count"] == 307
     assert abs(summary["test_loss"] - reference["test_loss"]) <= LOSS
-    if name == "dp_shard2_tp2":  # its sharded step-10 checkpoint, resumed in one process and under tp=2
+    if name == "dp_shard2_tp2":  # its sharded step-10 checkpoint, resumed in one process and under pp=2
         saved = tmp_path / name / "checkpoints" / "step-00000010"
         assert sorted(p.name for p in saved.glob("*.distcp")) == [f"__{rank}_0.distcp" for rank in range(4)]
         run([PY, *LM, *LR, "--resume", saved, "--output-dir", tmp_path / "resumed_one"])
-        launch(tmp_path, "tp2", "--resume", saved, "--output-dir", tmp_path / "resumed_tp2")
-        for resumed in (steps(tmp_path / "resumed_one"), steps(tmp_path / "resumed_tp2")):
+        run(TOOLKIT + ["launch", "--config_file", CONFIGS / "cpu.yaml", "--engine", "fsdp",
+                       "--parallelism-config-pp-size", "2", *LM, *LR, "--resume", saved, "--output-dir",
+                       tmp_path / "resumed_pp2"], timeout=300)
+        for resumed in (steps(tmp_path / "resumed_one"), steps(tmp_path / "resumed_pp2")):
             assert sorted(resumed) == list(range(11, 21))
             assert max(abs(resumed[s]["loss"] - ref[s]["loss"]) for s in resumed) <= LOSS
 
