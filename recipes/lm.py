@@ -6,6 +6,8 @@ recipes, with AdamW, a cosine schedule, gradient clipping and a next-token loss.
     torchrun --nproc_per_node 2 recipes/lm.py --engine ddp
     torchrun --nproc_per_node 2 recipes/lm.py --engine fsdp                       # each block sharded (FSDP2)
     toolkit launch --config_file accelerate_configs/multi_gpu.yaml recipes/lm.py --text my_corpus.txt
+    toolkit launch --config_file accelerate_configs/cpu.yaml --engine fsdp --parallelism-config-tp-size 2 recipes/lm.py
+    toolkit launch --config_file accelerate_configs/cpu.yaml --engine fsdp --parallelism-config-pp-size 2 recipes/lm.py
 
 --text is any UTF-8 file (default: the Book of Genesis shipped in toolkit/data/texts/); its last 10% is the
 validation text. Characters are the tokens. --global-batch-size counts sequences of --block-size characters
