@@ -1,6 +1,6 @@
 """Pipeline parallel under the fsdp engine (toolkit/engines/pipeline.py), from the split GPT declares as data
 (toolkit/models/gpt.py `_pp_plan`): recipes/lm.py trains under pp=2 with 1F1B, with GPipe over 4 micro-batches, and
-pp=2 x dp_shard=2, as one process trains: the same losses and clipping norms, every validation window counted once.
+pp=2 x dp_shard=2 and pp=2 x tp=2, as one process trains: the same losses and clipping norms, every validation window counted once.
 A pp=2 x dp_shard=2 sharded checkpoint resumes in one process and under tp=2, on the one-process curve. What a
 pipeline cannot run is one sentence. The reference is the recipe in one process, without any mesh code.
 """
@@ -13,14 +13,17 @@ from test_tensor_parallel import LOSS, LR, NORM, profile
 
 LM = [ROOT / "recipes" / "lm.py", "--max-steps", 20, "--checkpoint-every", 10]
 # Measured here at LR (tests/test_tensor_parallel.py says why not the preset's): 1F1B 2.4e-7, GPipe over 4
-# micro-batches 4.8e-7, pp=2 x dp_shard=2 4.8e-7 in loss over 20 steps, and the norms within 3.4e-7 (relative);
+# micro-batches 4.8e-7, pp=2 x dp_shard=2 4.8e-7, pp=2 x tp=2 2.4e-7 in loss over 20 steps, and the norms within
+# 3.4e-7 (relative);
 # the resumes 2.4e-7. Micro-batch losses summed instead of averaged double the norm; a stage that starts from the
 # wrong block's weights moves the losses by 1e-2.
 MESHES = {"pp2_1f1b": (2, ["--parallelism-config-pp-size", "2"], {"pp": 2, "dp_shard": 1}),
           "pp2_gpipe": (2, ["--parallelism-config-pp-size", "2", "--parallelism-config-pp-schedule", "gpipe",
                             "--parallelism-config-pp-microbatches", "4"], {"pp": 2, "dp_shard": 1}),
           "pp2_dp_shard2": (4, ["--parallelism-config-pp-size", "2", "--parallelism-config-dp-shard-size", "2"],
-                            {"pp": 2, "dp_shard": 2})}
+                            {"pp": 2, "dp_shard": 2}),
+          "pp2_tp2": (4, ["--parallelism-config-pp-size", "2", "--parallelism-config-tp-size", "2"],
+                      {"pp": 2, "dp_shard": 1, "tp": 2})}
 
 
 def launch(processes, flags, *args, check=True):

@@ -190,7 +190,12 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
         schedule over micro-batches (engines/pipeline.py); its mean loss comes back on every stage."""
         pipeline = self._pipelines.get(uncompiled(model))
         if pipeline is not None:
-            loss = pipeline.step(model, inputs, targets, loss_fn, self.gradient_accumulation_steps)
+            self._loss_parallel = self._tp_mesh is not None  # the last stage's loss on the vocabulary's shards
+            try:
+                with loss_parallel() if self._loss_parallel else contextlib.nullcontext():
+                    loss = pipeline.step(model, inputs, targets, loss_fn, self.gradient_accumulation_steps)
+            finally:
+                self._loss_parallel = False
             self._observers.backward(loss)
             if self.sync_gradients:
                 pipeline.sum_tied(uncompiled(model))

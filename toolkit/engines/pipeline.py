@@ -77,8 +77,10 @@ class Pipeline:
         whole = set(model.state_dict())
         canonical = {name: names[0] for names in _tied(model) for name in names}  # named_parameters' first
         setattr(model, plan["blocks"], stage_blocks(blocks, block_ranges(len(blocks), self.stages)[self.index]))
-        for name in ([] if self.first else plan["embed"]) + ([] if self.last else plan["output"]):
+        gone = ([] if self.first else plan["embed"]) + ([] if self.last else plan["output"])
+        for name in gone:
             delattr(model, name)
+        model.other_stages_modules = frozenset(gone)  # a tensor-parallel plan's patterns for them match nothing here
         # What a checkpoint of the whole model holds for the other stages, and the whole model's name of a tied
         # weight this stage holds under its other name (toolkit/checkpoint reads both).
         model.other_stages_keys = frozenset(whole - set(model.state_dict()))
@@ -171,7 +173,8 @@ class Pipeline:
 
     def _scaled_loss(self, output, target):
         loss = self._loss_fn(output, target)
-        self._raw.append(loss.detach().float().reshape(()))
+        whole = loss.full_tensor() if isinstance(loss, DTensor) else loss  # under tp: a replicated DTensor
+        self._raw.append(whole.detach().float().reshape(()))
         return loss / self._scale  # each micro-batch's share of the step's mean
 
     def sum_tied(self, model):

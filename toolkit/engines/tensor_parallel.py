@@ -43,8 +43,8 @@ class ReplicateParallel(ParallelStyle):
             return tuple(DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
                          if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t for t in inputs)
 
-        def as_local(module, output, mesh):
-            return output.to_local() if isinstance(output, DTensor) else output
+        def as_local(module, output, mesh):  # a tensor of its own: FSDP2 warns on a unit that returns a view
+            return output.to_local().clone() if isinstance(output, DTensor) else output
 
         return distribute_module(module, device_mesh, input_fn=as_dtensor, output_fn=as_local)
 
@@ -101,6 +101,8 @@ def _matches(plan: dict[str, str], model: nn.Module) -> dict[str, str]:
     for pattern, style in plan.items():
         regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+") + r"\Z")
         hits = [name for name in names if regex.match(name)]
+        if not hits and pattern.split(".")[0] in getattr(model, "other_stages_modules", ()):
+            continue  # a pipeline stage's: the module is another stage's (engines/pipeline.py)
         if not hits:
             raise UserError(f"{type(model).__name__}'s tensor-parallel plan names {pattern!r}, which matches none "
                             f"of its modules; fix the plan.")

@@ -92,9 +92,6 @@ def mesh_shape(config: ParallelismConfig, world: int, engine: str) -> tuple[tupl
         raise UserError(f"the ParallelismConfig's mesh (pp {pp} x dp_replicate {replicate} x dp_shard {shard} x tp "
                         f"{tp} = {pp * replicate * shard * tp} processes) cannot tile this world of {world}; make "
                         f"the sizes multiply to {world}.")
-    if pp > 1 and tp > 1:
-        raise UserError(f"the {engine} engine does not run pipeline and tensor parallel together yet (pp_size {pp} "
-                        f"with tp_size {tp}); use one of them with the data-parallel dimensions.")
     if replicate > 1 and shard == 1:
         raise UserError("dp_replicate_size alone replicates the whole model, which is DDP: use the ddp engine, or "
                         "give dp_shard_size as well (HSDP).")
