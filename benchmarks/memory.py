@@ -6,6 +6,7 @@ engines at world 2 and 4, next to the model's total; and activation memory with 
     python benchmarks/memory.py --model resnet9  # another model
     python benchmarks/memory.py --quick          # tiny, about 30 s
     python benchmarks/memory.py --quick --worlds 2   # tiny, world 2 only (what tests/test_benchmarks.py runs)
+    python benchmarks/memory.py --meshes         # gpt-mini under tp=2, pp=2 (world 2) and tp=4 (world 4) vs ddp
 
 For each world size W, W processes (torch.multiprocessing.spawn, gloo) build the toolkit's ddp and fsdp
 engines on one group, prepare a copy of the same model with AdamW under each, and take one training step
@@ -15,6 +16,15 @@ its parameters, their .grad and the optimizer's state tensors; for a DTensor (FS
 Targets: fsdp per rank <= 0.55 x ddp at world 2 and <= 0.30 x ddp at world 4; the ratio lines print
 ddp / fsdp, so each target is a least value (1 / 0.55 and 1 / 0.30). Activations and communication buffers
 are not counted there: they depend on the batch, not on how the state is sharded.
+
+With --meshes, the model is the LM recipe's gpt-mini (4 blocks, 4 heads) and the same global batch of 8 sequences of
+64 characters (AdamW) runs one `forward_backward` and one optimizer step under ddp and under the fsdp engine's
+model-parallel meshes: tp=2 and pp=2 at world 2, tp=4 at world 4 (each a mesh with dp_shard 1, so only the model
+split differs from ddp). Each rank counts what it holds as above, plus its activations: the peak of the bytes saved
+for backward that are alive at once during the step (`saved_tensors_hooks`, each storage counted while a tensor on
+it is saved; a pipeline's 1F1B frees a micro-batch's after its backward). The largest rank's figures are reported
+(a pipeline's first and last stages hold the tied embedding). Targets: mesh / ddp bytes per rank at most 0.6 at
+world 2 and 0.35 at world 4.
 
 Activations are measured apart, in this process, on two copies of the same model, one with its blocks
 checkpointed (`toolkit.models.blocks.checkpoint_blocks`, what --activation-checkpointing does): the bytes of
@@ -32,6 +42,7 @@ import copy
 import json
 import os
 import tempfile
+import weakref
 from pathlib import Path
 
 import common
@@ -52,6 +63,7 @@ def parse_args(argv=None):
     parser = common.build_parser("memory", __doc__)
     parser.add_argument("--model", default=None, choices=sorted(MODELS), help="default resnet18; --quick: tiny")
     parser.add_argument("--worlds", default="2,4", help="world sizes to measure, from 2 and 4 (default both)")
+    parser.add_argument("--meshes", action="store_true", help="gpt-mini under tp and pp meshes against ddp instead")
     args = parser.parse_args(argv)
     worlds = [w.strip() for w in args.worlds.split(",") if w.strip()]
     if not worlds or any(w not in ("2", "4") for w in worlds):
@@ -159,6 +171,115 @@ def activations(model_name: str, batch: int) -> dict:
     return result
 
 
+MESH_TARGETS = {2: 0.6, 4: 0.35}  # a model-parallel mesh's bytes per rank / ddp's, at most
+MESHES = {2: {"tp=2": {"tp_size": 2}, "pp=2": {"pp_size": 2}}, 4: {"tp=4": {"tp_size": 4}}}
+MESH_KINDS = KINDS + ("activations",)
+
+
+class LiveSaved:
+    """The peak bytes of tensors saved for backward that are alive at once: a saved tensor's storage counts from
+    its save until the autograd graph drops it (after its backward)."""
+
+    def __init__(self, skip):
+        self.skip, self.live, self.peak, self.count = skip, {}, 0, {}
+
+    def pack(self, tensor):
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        key = local.untyped_storage().data_ptr()
+        if key not in self.skip:
+            if key not in self.live:
+                self.live[key] = local.untyped_storage().nbytes()
+            self.count[key] = self.count.get(key, 0) + 1
+            weakref.finalize(tensor, self._dropped, key)
+            self.peak = max(self.peak, sum(self.live.values()))
+        return tensor
+
+    def _dropped(self, key):
+        self.count[key] -= 1
+        if not self.count[key]:
+            self.live.pop(key, None)
+
+
+def next_token_loss(logits, targets):  # recipes/lm.py's
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def mesh_step(accelerator, model) -> dict:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    readers, index = accelerator.data_parallel_size, accelerator.data_parallel_index
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 60, (8, 64), generator=g), torch.randint(0, 60, (8, 64), generator=g)
+    share = slice(index * 8 // readers, (index + 1) * 8 // readers)  # the same global batch on every mesh
+    saved = LiveSaved({p.to_local().untyped_storage().data_ptr() if hasattr(p, "to_local") else
+                       p.untyped_storage().data_ptr() for p in model.parameters()})
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda tensor: tensor):
+        accelerator.forward_backward(model, x[share], y[share], next_token_loss)
+    optimizer.step()
+    return {**held(accelerator.unwrap_model(model), optimizer.optimizer), "activations": saved.peak}
+
+
+def mesh_worker(rank: int, world: int, port: int, result_path: str):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from toolkit import ParallelismConfig
+    from toolkit.engines.ddp import RawDDPEngine
+    from toolkit.engines.fsdp import FSDPEngine
+    from toolkit.launch.env import read_launch_env
+    from toolkit.models.gpt import build_gpt
+
+    env = read_launch_env()
+    ddp = RawDDPEngine(env)  # forms the group; each mesh's fsdp engine joins it
+    torch.manual_seed(0)
+    base = build_gpt("gpt-mini", 60)
+    mine = {"ddp": mesh_step(ddp, copy.deepcopy(base))}
+    for name, sizes in MESHES[world].items():
+        engine = FSDPEngine(env, parallelism_config=ParallelismConfig(**sizes), checkpoint_format="sharded")
+        mine[name] = mesh_step(engine, copy.deepcopy(base))
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    if rank == 0:  # the largest rank's bytes of each kind, setup by setup
+        result = {"total": local_bytes(base.parameters()),
+                  **{name: {kind: max(r[name][kind] for r in every) for kind in MESH_KINDS} for name in mine}}
+        Path(result_path).write_text(json.dumps(result))
+    ddp.end_training()
+
+
+def measure_meshes(world: int) -> dict:
+    from toolkit.launch.launcher import free_port
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "result.json")
+        mp.spawn(mesh_worker, args=(world, free_port(), path), nprocs=world, join=True)
+        return json.loads(Path(path).read_text())
+
+
+def main_meshes(args, out) -> int:
+    rows, ratios, notes = [], [], []
+    for world in args.worlds:
+        result = measure_meshes(world)
+        ddp = sum(result["ddp"].values())
+        for name in ["ddp", *MESHES[world]]:
+            total = sum(result[name].values())
+            rows.append([f"{name} x {world}", *(f"{mib(result[name][k]):.3f}" for k in MESH_KINDS),
+                         f"{mib(total):.3f}", f"{total / ddp:.3f}"])
+            if name != "ddp":
+                target = MESH_TARGETS[world]
+                ratios.append(common.Ratio(f"gpt-mini ddp / {name} per rank", ddp / total, round(1 / target, 3)))
+                notes.append(f"{name}: {total / ddp:.3f} x ddp's bytes per rank (target <= {target}): "
+                             f"{'reached' if total / ddp <= target else 'missed'}.")
+    columns = ["setup x world", *(f"{k} MiB" for k in MESH_KINDS), "sum MiB per rank", "sum / ddp's"]
+    bars = common.Bars([r[0] for r in rows], [float(r[5]) for r in rows], "MiB per rank (training state + "
+                       "activations)", [f"{r[6]}x" for r in rows])
+    title = "Memory per rank: ddp vs tensor and pipeline parallel (gpt-mini, AdamW, 8 x 64 characters per step)"
+    common.publish(out, "memory", title, (columns, rows), ratios, notes, bars)
+    return common.exit_code(ratios, args.quick)
+
+
 def mib(n: int) -> float:
     return n / 2**20
 
@@ -166,6 +287,8 @@ def mib(n: int) -> float:
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = common.prepare_out(args.out)
+    if args.meshes:
+        return main_meshes(args, out)
     rows, ratios, notes = [], [], []
     for world in args.worlds:
         target = TARGETS[world]

@@ -19,7 +19,7 @@ LM = [ROOT / "recipes" / "lm.py", "--max-steps", 20, "--checkpoint-every", 10]
 # whole step), and ddp from one process by 1.6e-5; at 2e-3 those spreads are 1.2e-6 and 4.8e-7.
 LR = ["--lr", "0.002"]
 # The bound on each step's loss. Measured at LR: tp=2 7.2e-7 (2.4e-7 on another run), tp=4 4.8e-7,
-# dp_shard=2 x tp=2 2.4e-7, and the resumes 4.8e-7; batches split differently between the tp ranks move it by 1e-2.
+# dp_shard=2 x tp=2 2.4e-7 (with accumulation 2, as tested, 2.4e-7), and the resumes 4.8e-7; batches split differently between the tp ranks move it by 1e-2.
 LOSS = 1e-5
 # The gradient norm clipping sees, relative: measured 7e-7 (2.4e-6 of norms 1 to 3.4); one shard's norm is off by
 # a factor of about 1/sqrt(tp).
@@ -55,7 +55,10 @@ def one(tmp_path_factory):
 
 @pytest.mark.parametrize("name", MESHES)
 def test_the_lm_recipe_trains_under_a_tensor_parallel_mesh_as_one_process(one, tmp_path, name):
-    proc = launch(tmp_path, name, "--output-dir", tmp_path / name)
+    accumulating = ["--micro-batch-size", 8] if name == "dp_shard2_tp2" else []  # 2 micro-steps of 8 per dp rank
+    proc = launch(tmp_path, name, *accumulating, "--output-dir", tmp_path / name)
+    if accumulating:
+        assert "global batch 32 = 2 process(es) x micro-batch 8 x accumulation 2" in proc.stdout
     mesh, ref = steps(tmp_path / name), steps(one)
     dims = " x ".join(f"{dim} {size}" for dim, size in MESHES[name][1].items())
     assert f"per rank on mesh {dims} · MFU" in proc.stdout  # the evaluation line names the mesh

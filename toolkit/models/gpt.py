@@ -31,8 +31,9 @@ class GPTConfig:
     dropout: float = 0.0  # 0 keeps a step independent of how the batch is split across ranks (no per-rank RNG)
 
 
-# ~0.1M parameters at a 60-character vocabulary.
-GPT_SIZES = {"gpt-tiny": dict(n_layer=2, n_head=4, n_embd=64, block_size=64)}
+# ~0.1M parameters at a 60-character vocabulary; gpt-mini has 4 blocks (~0.2M), enough for 4 pipeline stages.
+GPT_SIZES = {"gpt-tiny": dict(n_layer=2, n_head=4, n_embd=64, block_size=64),
+             "gpt-mini": dict(n_layer=4, n_head=4, n_embd=64, block_size=64)}
 
 
 class CausalSelfAttention(nn.Module):

@@ -65,6 +65,7 @@ PRESETS = {
     "gpt-tiny": Preset(global_batch_size=32, lr=1e-2, weight_decay=0.1, warmup=0.05, epochs=10, label_smoothing=0.0,
                        clip_grad_norm=1.0, optimizer="adamw", schedule="cosine"),
 }
+PRESETS["gpt-mini"] = PRESETS["gpt-tiny"]  # twice the blocks: gpt-tiny's settings, not measured apart
 # --optimizer naming another optimizer than the preset's: that optimizer's lr, weight decay and schedule (stated at
 # their own global batch, scaled linearly as above); the preset's warm-up, epochs and the rest stay.
 OTHER_OPTIMIZER = {
