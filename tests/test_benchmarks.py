@@ -100,3 +100,18 @@ def test_a_verdict_is_pass_or_miss_only_when_the_medians_interval_clears_the_tar
     assert verdicts == {0.92: "PASS", 0.93: "PASS", 0.98: "WITHIN NOISE", 1.02: "WITHIN NOISE", 1.03: "MISS"}
     assert common.exit_code([common.Ratio("r", 0.975, 0.98, (0.93, 1.02))], quick=False) == 0
     assert common.exit_code([common.Ratio("r", 0.9, 0.98, (0.85, 0.95))], quick=False) == 1
+
+
+def test_memory_meshes_quick_world_2_splits_the_training_state(tmp_path):
+    """gpt-mini under tp=2 and pp=2 holds about half of ddp's parameters, gradients and AdamW state per rank (tp
+    keeps the norms and position embedding whole, pp's last stage the tied head); activations are measured too."""
+    proc = run([PY, BENCHMARKS / "memory.py", "--meshes", "--quick", "--worlds", "2", "--out", tmp_path / "out"],
+               timeout=240)
+    ratios = {name: float(value) for name, value in RATIO.findall(proc.stdout)}
+    assert set(ratios) == {"gpt-mini-128 ddp / tp=2 per rank", "gpt-mini-128 ddp / pp=2 per rank"}, proc.stdout
+    rows = {line.split("|")[1].strip(): [float(c) for c in line.strip("|").split("|")[1:]]
+            for line in proc.stdout.splitlines() if line.startswith("| ") and " x 2 |" in line}
+    for name in ("tp=2 x 2", "pp=2 x 2"):
+        for kind in range(3):  # parameters, gradients, optimizer state: about half of ddp's each
+            assert 0.45 <= rows[name][kind] / rows["ddp x 2"][kind] <= 0.56, (name, rows)
+        assert rows[name][3] > 0  # activations saved for backward
