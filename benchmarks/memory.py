@@ -121,13 +121,14 @@ def worker(rank: int, world: int, model_name: str, port: int, result_path: str):
     ddp.end_training()
 
 
-def measure(world: int, model_name: str) -> dict:
+def spawned(function, world: int, *args) -> dict:
+    """What rank 0 of `world` processes running function(rank, world, *args, port, result path) wrote."""
     from toolkit.launch.launcher import free_port
 
     os.environ["OMP_NUM_THREADS"] = "1"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
-        mp.spawn(worker, args=(world, model_name, free_port(), path), nprocs=world, join=True)
+        mp.spawn(function, args=(world, *args, free_port(), path), nprocs=world, join=True)
         return json.loads(Path(path).read_text())
 
 
@@ -253,21 +254,11 @@ def mesh_worker(rank: int, world: int, width: int, port: int, result_path: str):
     ddp.end_training()
 
 
-def measure_meshes(world: int, width: int) -> dict:
-    from toolkit.launch.launcher import free_port
-
-    os.environ["OMP_NUM_THREADS"] = "1"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "result.json")
-        mp.spawn(mesh_worker, args=(world, width, free_port(), path), nprocs=world, join=True)
-        return json.loads(Path(path).read_text())
-
-
 def main_meshes(args, out) -> int:
     rows, ratios, notes = [], [], []
     width = 128 if args.quick else 512
     for world in args.worlds:
-        result = measure_meshes(world, width)
+        result = spawned(mesh_worker, world, width)
         ddp = sum(result["ddp"].values())
         for name in ["ddp", *MESHES[world]]:
             total = sum(result[name].values())
@@ -300,7 +291,7 @@ def main(argv=None) -> int:
     rows, ratios, notes = [], [], []
     for world in args.worlds:
         target = TARGETS[world]
-        result = measure(world, args.model)
+        result = spawned(worker, world, args.model)
         sums = {engine: sum(result[engine].values()) for engine in ("ddp", "fsdp")}
         for engine in ("ddp", "fsdp"):
             rows.append([f"{engine} x {world}", *(f"{mib(result[engine][k]):.2f}" for k in KINDS),
