@@ -104,3 +104,23 @@ def test_block_ranges_split_as_evenly_as_they_go():
 
     assert block_ranges(2, 2) == [range(0, 1), range(1, 2)]
     assert block_ranges(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+
+
+def test_the_100_step_curve_under_tp_and_pp_stays_within_the_ddp_engines_bound(tmp_path):
+    """The preset's run (lr 1e-2, 100 steps, seed 7) under tp=2 and pp=2 against one process, held to the bound
+    the ddp engine holds on the same run (tests/test_lm.py: its measured spread, on both kernel paths)."""
+    from test_lm import CURVE_RTOL, FLAGS, VAL_ATOL
+
+    lm = [ROOT / "recipes" / "lm.py", *FLAGS]
+    run([PY, *lm, "--output-dir", tmp_path / "one"])
+    for name, flags in (("tp2", ["--parallelism-config-tp-size", "2"]), ("pp2", ["--parallelism-config-pp-size", "2"])):
+        run(TOOLKIT + ["launch", "--config_file", CONFIGS / "cpu.yaml", "--engine", "fsdp", *flags, *lm,
+                       "--output-dir", tmp_path / name], timeout=300)
+    one = steps(tmp_path / "one")
+    for name in ("tp2", "pp2"):
+        curve = steps(tmp_path / name)
+        relative = max(abs(curve[s]["loss"] / one[s]["loss"] - 1) for s in one)
+        print(f"{name}: 100-step loss curve within {relative:.1e} of one process (relative)")
+        assert sorted(curve) == sorted(one) == list(range(1, 101)) and relative <= CURVE_RTOL
+        assert abs(read_json(tmp_path / name / "summary.json")["test_loss"]
+                   - read_json(tmp_path / "one" / "summary.json")["test_loss"]) <= VAL_ATOL

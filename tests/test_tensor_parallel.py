@@ -8,7 +8,7 @@ The one-process reference is the recipe itself without an accelerator mesh (engi
 import json
 
 import pytest
-from conftest import CONFIGS, PY, ROOT, TOOLKIT, cpu_fsdp_profile, read_json, run
+from conftest import ACCELERATE, CONFIGS, PY, ROOT, TOOLKIT, cpu_fsdp_profile, read_json, run
 
 from toolkit.errors import UserError
 
@@ -91,6 +91,19 @@ def test_a_tp_size_that_cannot_split_the_heads_is_one_sentence_before_training(t
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: tp_size 3 cannot split GPT's 4 attention heads evenly; use a tp_size that divides 4."]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_a_mesh_that_cannot_tile_the_world_is_our_sentence_first_under_accelerate_launch(tmp_path):
+    """accelerate launch's agent adds its failure report after the workers' sentence and exits 1 (its own, as for
+    every error: docs/fault-tolerance.md); the sentence comes first, and the report's root cause names it."""
+    path = profile(tmp_path / "tp4_on_2.yaml", 2, {"tp": 4})
+    proc = run(ACCELERATE + ["--config_file", path, *LM, "--output-dir", tmp_path / "out"], check=False, timeout=300)
+    sentence = ("error: the ParallelismConfig's mesh (pp 1 x dp_replicate 1 x dp_shard 1 x tp 4 = 4 processes) cannot "
+                "tile this world of 2; make the sizes multiply to 2.")
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("[toolkit]")]
+    assert proc.returncode != 0 and lines[0] == sentence
+    assert f"traceback : {sentence}" in proc.stderr
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
