@@ -2,7 +2,8 @@
 (toolkit/models/gpt.py `_pp_plan`): recipes/lm.py trains under pp=2 with 1F1B, with GPipe over 4 micro-batches,
 pp=2 x dp_shard=2, pp=2 x tp=2 and pp=4, as one process trains: the same losses and clipping norms, every
 validation window counted once.
-A pp=2 x dp_shard=2 sharded checkpoint resumes in one process and under tp=2, on the one-process curve. What a
+A pp=2 x dp_shard=2 sharded checkpoint, consolidated, resumes in one process, and as it is under tp=2, on the
+one-process curve. What a
 pipeline cannot run is one sentence. The reference is the recipe in one process, without any mesh code.
 """
 
@@ -70,10 +71,11 @@ def test_the_lm_recipe_trains_under_a_pipeline_as_one_process(reference, tmp_pat
     summary, expected = read_json(tmp_path / name / "summary.json"), read_json(one / "summary.json")
     assert summary["mesh"] == mesh and summary["test_count"] == expected["test_count"] == 307
     assert abs(summary["test_loss"] - expected["test_loss"]) <= LOSS
-    if name == "pp2_dp_shard2":  # each stage saved its own blocks; resumed in one process and under tp=2
-        saved = tmp_path / name / "checkpoints" / "step-00000010"
+    if name == "pp2_dp_shard2":  # each stage saved its own blocks: consolidated and resumed in one process, and
+        saved = tmp_path / name / "checkpoints" / "step-00000010"  # resumed as it is under tp=2
         assert read_json(saved / "manifest.json")["checkpoint_format"] == "sharded"
-        run([PY, *LM, *LR, "--resume", saved, "--output-dir", tmp_path / "resumed_one"])
+        run(TOOLKIT + ["checkpoint", "consolidate", saved, "--out", tmp_path / "full"])
+        run([PY, *LM, *LR, "--resume", tmp_path / "full" / "step-00000010", "--output-dir", tmp_path / "resumed_one"])
         tp2 = profile(tmp_path / "tp2.yaml", 2, {"tp": 2})
         run(TOOLKIT + ["launch", "--config_file", tp2, "--engine", "fsdp", *LM, *LR, "--resume", saved,
                        "--output-dir", tmp_path / "resumed_tp2"], timeout=300)

@@ -80,8 +80,11 @@ def local_state_dicts(models, optimizers=()) -> tuple[list[dict], list[dict]]:
     optimizer_states = []
     for i, optimizer in enumerate(optimizers):
         owner = _owner(models, optimizer, i)
-        optimizer_states.append(_renamed(get_optimizer_state_dict(owner, _inner(optimizer)),
-                                         getattr(owner, "checkpoint_aliases", {})))
+        state = _renamed(get_optimizer_state_dict(owner, _inner(optimizer)), getattr(owner, "checkpoint_aliases", {}))
+        whole = getattr(_inner(optimizer), "whole_param_names", None)  # a pipeline stage's: every stage's names
+        if whole is not None:
+            state["param_groups"] = [{**g, "params": names} for g, names in zip(state["param_groups"], whole)]
+        optimizer_states.append(state)
     return model_states, optimizer_states
 
 
@@ -175,7 +178,11 @@ def load_shards(path, models=(), optimizers=()):
     for i, (optimizer, state) in enumerate(zip(optimizers, optimizer_states)):
         owner = _owner(models, optimizer, i)
         back = {whole: own for own, whole in getattr(owner, "checkpoint_aliases", {}).items()}
-        set_optimizer_state_dict(owner, _inner(optimizer), _renamed(state, back))
+        state = _renamed(state, back)
+        if getattr(_inner(optimizer), "whole_param_names", None) is not None:  # this stage's names of each group
+            mine = set(dict(owner.named_parameters()))
+            state["param_groups"] = [{**g, "params": [n for n in g["params"] if n in mine]} for g in state["param_groups"]]
+        set_optimizer_state_dict(owner, _inner(optimizer), state)
 
 
 def _check_fits(path, index, model, key):

@@ -89,6 +89,7 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
                 self.fsdp_settings = dataclasses.replace(settings, cpu_ram_efficient_loading=False)
         self._loss_parallel = False  # forward_backward's: the logits stay split over the vocabulary for the loss
         self._swapped = {}  # original parameter -> its sharded replacement (optimizers built before prepare)
+        self._whole_names = {}  # original parameter -> its name in the whole model
         self._models = []
         self._syncs: dict[torch.nn.Module, GradientSync] = {}  # prepared model -> when its gradients sync
 
@@ -162,6 +163,7 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
         sharded = dict(model.named_parameters())
         # None: a parameter another pipeline stage holds
         self._swapped.update({old: next((sharded[n] for n in found if n in sharded), None) for old, found in names.items()})
+        self._whole_names.update({old: found[0] for old, found in names.items()})
         if pipeline is not None:
             self._pipelines[model] = pipeline
             model.forward = functools.partial(pipeline.forward, model)
@@ -276,8 +278,13 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
         if optimizer.state:
             raise UserError("prepare the optimizer before its first step under the fsdp engine: sharding "
                             "replaces the parameters its state belongs to.")
-        for group in optimizer.param_groups:  # under pp, another stage's parameters leave this rank's optimizer
+        # Under pp another stage's parameters leave this rank's optimizer; a checkpoint still names every group's
+        # parameters of the whole model (toolkit/checkpoint/sharded.py), so that one process can read it back.
+        whole = [[self._whole_names.get(p) for p in group["params"]] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
             group["params"] = [self._swapped.get(p, p) for p in group["params"] if self._swapped.get(p, p) is not None]
+        if self._pipelines and all(None not in names for names in whole):
+            optimizer.whole_param_names = whole
         # Its first parameter names its model; a group may be empty (a frozen backbone's, under --head-lr).
         first = next((p for group in optimizer.param_groups for p in group["params"]), None)
         owners = [m for m in self._models if any(p is first for p in m.parameters())]
