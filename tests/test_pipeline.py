@@ -10,7 +10,7 @@ pipeline cannot run is one sentence. The reference is the recipe in one process,
 import json
 
 import pytest
-from conftest import CONFIGS, PY, ROOT, TOOLKIT, read_json, run
+from conftest import CONFIGS, PY, ROOT, TOOLKIT, cpu_fsdp_profile, read_json, run
 from test_tensor_parallel import LOSS, LR, NORM, profile
 
 LM = [ROOT / "recipes" / "lm.py", "--max-steps", 20, "--checkpoint-every", 10]
@@ -126,3 +126,21 @@ def test_the_100_step_curve_under_tp_and_pp_stays_within_the_ddp_engines_bound(t
         assert sorted(curve) == sorted(one) == list(range(1, 101)) and relative <= CURVE_RTOL
         assert abs(read_json(tmp_path / name / "summary.json")["test_loss"]
                    - read_json(tmp_path / "one" / "summary.json")["test_loss"]) <= VAL_ATOL
+
+
+def test_toolkit_parity_compares_a_pipeline_profile_with_one_process(tmp_path):
+    """A profile carries the toolkit's pipeline keys in its parallelism_config (toolkit launch hands them over;
+    Accelerate's launcher has none), and `toolkit parity` compares its run with one process: the same global batch,
+    losses and whole weights (each stage's gathered)."""
+    path = tmp_path / "pp2.yaml"
+    path.write_text(cpu_fsdp_profile(2, "fsdp_config:\n  fsdp_version: 2\n  fsdp_state_dict_type: SHARDED_STATE_DICT\n"
+                                        "parallelism_config:\n  parallelism_config_pp_size: 2\n"
+                                        "  parallelism_config_pp_schedule: gpipe\n"))
+    proc = run(TOOLKIT + ["parity", CONFIGS / "cpu.yaml", path, "--engine-a", "single", "--engine-b", "fsdp",
+                          "--steps", 3, "--output-dir", tmp_path / "parity", "--", *LM[:1], "--max-steps", 3, *LR],
+               timeout=300)
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("B: ") and "2 process(es) on mesh pp 2 x dp_shard 1, 1 reading data x batch 16 per "
+               "forward x 2 pipeline slices x 1 micro-step(s) = 32 per step" in line for line in lines), proc.stdout
+    assert any(line.startswith("verdict: AGREE") for line in lines), proc.stdout
+    assert "36 tensors" in proc.stdout  # every stage's weights, the tied head included

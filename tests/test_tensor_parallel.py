@@ -126,3 +126,13 @@ def test_a_plan_is_checked_against_the_model_it_splits():
     unknown = type("Unknown", (nn.Module,), {"_tp_plan": {"head": "diagonal"}})()
     with pytest.raises(UserError, match=r"style\(s\) diagonal that the toolkit does not know"):
         tp_plan(unknown)
+
+
+def test_toolkit_env_says_what_each_rank_of_the_mesh_holds_and_communicates(tmp_path):
+    proc = run(TOOLKIT + ["env", "--config_file", profile(tmp_path / "mesh.yaml", 4, {"dp_shard": 2, "tp": 2})])
+    lines = [line.strip() for line in proc.stdout.splitlines()]
+    assert "mesh       dp_shard 2 x tp 2" in lines
+    assert ("each rank  1/2 of each layer's weights (tp), then 1/2 of those (FSDP): 1/4 of the model's training "
+            "state; reads 1/2 of each global batch") in lines
+    assert any(line.startswith("each step  tp: 2 all-gathers and 2 reduce-scatters of the activations per block")
+               for line in lines)

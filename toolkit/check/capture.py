@@ -164,6 +164,11 @@ class ParityRecorder:
             "learning_rates": self.learning_rates,
             "engine": engine.name,
             "world_size": engine.num_processes,
+            "data_parallel_size": getattr(engine, "data_parallel_size", engine.num_processes),
+            # a pipeline's forwards are slices of each micro-batch
+            "pipeline_slices": getattr(getattr(engine, "parallelism_config", None), "pp_microbatches", None) or 1,
+            "mesh": None if getattr(engine, "torch_device_mesh", None) is None else dict(
+                zip(engine.torch_device_mesh.mesh_dim_names, engine.torch_device_mesh.shape)),
             "replicas": len(getattr(engine, "device_ids", None) or [0]),  # dp: GPUs one process drives
             "device": engine.device.type,
             "mixed_precision": str(engine.mixed_precision),

@@ -38,6 +38,7 @@ from toolkit.launch.launcher import (
     port_in_use,
     visible_gpus,
 )
+from toolkit.launch.parallelism import mesh_story
 from toolkit.launch.profiles import Profile, accelerate_environment, check_profile, load_profile
 from toolkit.launch.rendezvous import check_main_host, resolve_host
 from toolkit.launch.topology import slurm_overrides
@@ -360,6 +361,7 @@ def format_report(report: dict) -> str:
         lines.append(f"  runs       the {plan['runs']} engine (see the findings)")
     if plan["mesh"]:
         lines.append(f"  mesh       {' x '.join(f'{dim} {size}' for dim, size in plan['mesh'].items() if size > 1)}")
+        lines += [f"  {label:<10} {text}" for label, text in mesh_story(plan["mesh"])]
     if plan["command"]:
         lines.append(f"  command    {plan['command']}")
     lines += [f"  note       {note}" for note in plan["notes"]]

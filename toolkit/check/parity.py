@@ -183,7 +183,9 @@ def expected_differences(a: dict, b: dict) -> list[str]:
 def global_batch(record: dict) -> int | None:
     if record["batch_per_forward"] is None:
         return None
-    return record["world_size"] * record["replicas"] * record["batch_per_forward"] * record["gradient_accumulation_steps"]
+    readers = record.get("data_parallel_size", record["world_size"])  # a mesh's tp and pp ranks read one batch
+    slices = record.get("pipeline_slices", 1)
+    return readers * record["replicas"] * record["batch_per_forward"] * slices * record["gradient_accumulation_steps"]
 
 
 def setup_mismatches(a: dict, b: dict) -> list[str]:
@@ -227,8 +229,13 @@ def judge(a: dict, b: dict, result: Comparison) -> Verdict:
 
 
 def describe(label: str, side: Side, record: dict) -> str:
-    return (f"{label}: {side.profile.path}, engine {record['engine']}, {record['world_size']} process(es) x "
-            f"batch {record['batch_per_forward']} per forward x {record['gradient_accumulation_steps']} micro-step(s)"
+    mesh = record.get("mesh")
+    readers = (f"{record['world_size']} process(es) on mesh {' x '.join(f'{d} {n}' for d, n in mesh.items())}, "
+               f"{record['data_parallel_size']} reading data" if mesh else f"{record['world_size']} process(es)")
+    return (f"{label}: {side.profile.path}, engine {record['engine']}, {readers} x "
+            f"batch {record['batch_per_forward']} per forward"
+            + (f" x {record['pipeline_slices']} pipeline slices" if record.get("pipeline_slices", 1) > 1 else "")
+            + f" x {record['gradient_accumulation_steps']} micro-step(s)"
             f" = {global_batch(record)} per step, mixed precision {record['mixed_precision']}, {record['device']}")
 
 

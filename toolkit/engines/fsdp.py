@@ -45,7 +45,7 @@ from toolkit.launch.parallelism import ParallelismConfig, read_parallelism_confi
 from toolkit.engines.units import checkpoint_modules, shard_units
 from toolkit.engines.tensor_parallel import parallelize, whole
 from toolkit.engines.mesh import build_mesh
-from toolkit.engines.pipeline import Pipeline
+from toolkit.engines.pipeline import Pipeline, share_tied
 from toolkit.engines.fsdp_parts import (_RESHARD, FULL, FSDPOptimizer, fsdp_modules, full_parameters,  # noqa: F401
                                         gradient_norm, replicated_parameters)
 from toolkit.engines.fsdp_settings import (FSDPSettings, fp32_norms, ignored_parameters, mixed_precision_dtype,
@@ -159,14 +159,7 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
         # DDP's name, which FSDP2 lacks: a script that accumulates with `model.no_sync()` (as on DDP and FSDP1)
         # keeps each micro-batch's gradients on its rank until a backward outside it reduces them all.
         model.no_sync = functools.partial(self._no_sync, model)
-        # fully_shard replaced every parameter by a sharded one; optimizers made before must follow.
-        sharded = dict(model.named_parameters())
-        # None: a parameter another pipeline stage holds
-        self._swapped.update({old: next((sharded[n] for n in found if n in sharded), None) for old, found in names.items()})
-        self._whole_names.update({old: found[0] for old, found in names.items()})
-        if pipeline is not None:
-            self._pipelines[model] = pipeline
-            model.forward = functools.partial(pipeline.forward, model)
+        self._follow(model, names, pipeline)
         if self._world > 1 and any(True for _ in model.buffers()):
             model.register_forward_pre_hook(self._broadcast_buffers)
         return model
@@ -216,6 +209,16 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
         finally:
             self._loss_parallel = False
         return loss
+
+    def _follow(self, model, names: dict, pipeline):
+        """fully_shard (and a pipeline's cut) replaced every parameter: optimizers made before must follow, by name
+        (to None: a parameter another pipeline stage holds); under pp the model's calls run the pipeline."""
+        sharded = dict(model.named_parameters())
+        self._swapped.update({old: next((sharded[n] for n in found if n in sharded), None) for old, found in names.items()})
+        self._whole_names.update({old: found[0] for old, found in names.items()})
+        if pipeline is not None:
+            self._pipelines[model] = pipeline
+            model.forward = functools.partial(pipeline.forward, model)
 
     def _from_rank0(self, model):
         """As DDP does when it wraps: every rank starts from rank 0's weights (ranks seeded apart initialise
@@ -338,10 +341,13 @@ class FSDPEngine(ProcessGroupMixin, TorchEngine):
         """The full, unsharded state dict on the main process, in CPU memory (a collective: call it on every rank;
         the others get an empty dict). An FSDP plugin's state_dict_config with rank0_only=False hands it to every
         rank, and offload_to_cpu=False leaves it on the device."""
-        settings = self.fsdp_settings
+        settings, module = self.fsdp_settings, self.unwrap_model(model, keep_torch_compile=False)
+        pipeline = self._pipelines.get(module)
+        if pipeline is not None:  # every stage's part, gathered on the main process
+            return pipeline.whole_state_dict(module, self.is_main_process)
         if settings is None or settings.rank0_only:
-            return get_model_state_dict(self.unwrap_model(model, keep_torch_compile=False), options=FULL)
-        full = get_model_state_dict(self.unwrap_model(model, keep_torch_compile=False), options=StateDictOptions(full_state_dict=True))
+            return share_tied(module, get_model_state_dict(module, options=FULL))
+        full = share_tied(module, get_model_state_dict(module, options=StateDictOptions(full_state_dict=True)))
         return {k: v.cpu() for k, v in full.items()} if settings.offload_to_cpu else full
 
     def load_full_state_dict(self, model, state_dict):

@@ -59,6 +59,16 @@ def _tied(model: nn.Module) -> list[list[str]]:
     return [names for names in by_param.values() if len(names) > 1]
 
 
+def share_tied(model: nn.Module, state: dict, tied: list[list[str]] | None = None) -> dict:
+    """A full state dict whose tied weights are one tensor under each of their names, as a plain model's state dict
+    has them (tensor parallel and pipeline stages gather each name's copy apart)."""
+    for names in _tied(model) if tied is None else tied:
+        present = [name for name in names if name in state]
+        for name in present[1:]:
+            state[name] = state[present[0]]
+    return state
+
+
 class Pipeline:
     """One prepared model's stage on this rank, its schedule and its neighbours along the `pp` dimension of `mesh`."""
 
@@ -73,6 +83,7 @@ class Pipeline:
         if len(blocks) < self.stages:
             raise UserError(f"pp_size {self.stages} is more stages than {type(model).__name__}'s {len(blocks)} "
                             f"blocks; use a pp_size of at most {len(blocks)}.")
+        self.whole_tied = _tied(model)  # the whole model's tied names, for a gathered state dict
         self.tied = self._tied_pairs(model, mesh)
         whole = set(model.state_dict())
         canonical = {name: names[0] for names in _tied(model) for name in names}  # named_parameters' first
@@ -185,6 +196,18 @@ class Pipeline:
         grad = model.get_parameter(name).grad
         if grad is not None:
             dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
+
+    def whole_state_dict(self, model, main: bool) -> dict:
+        """The whole model's state dict on the main process (a collective: every rank calls it; the others get {}):
+        each stage's full state dict (gathered over its data-parallel and tp ranks), then all stages' together."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        mine = {k: v.cpu() for k, v in get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)).items()}
+        parts = [None] * dist.get_world_size() if main else None
+        dist.gather_object(mine, parts, dst=0)
+        if not main:
+            return {}
+        return share_tied(model, {k: v for part in parts for k, v in part.items()}, self.whole_tied)
 
     def counted(self, model, parameters: list) -> list:
         """The parameters whose gradients count in the norm: a tied weight's once (the first stage's copy)."""

@@ -111,3 +111,29 @@ def to_accelerate(config):
     from accelerate.parallelism_config import ParallelismConfig as AcceleratesConfig
 
     return AcceleratesConfig(**{name: getattr(config, name) for name in SIZES if name != "pp_size"})
+
+
+def mesh_story(sizes: dict) -> list[tuple[str, str]]:
+    """What each rank of a mesh holds and what each step communicates, in words (`toolkit env`).
+
+    >>> for label, text in mesh_story({"dp_shard": 2, "tp": 2, "pp": 1}): print(label, "|", text)
+    each rank | 1/2 of each layer's weights (tp), then 1/2 of those (FSDP): 1/4 of the model's training state; reads 1/2 of each global batch
+    each step | tp: 2 all-gathers and 2 reduce-scatters of the activations per block, forward and again backward; dp_shard: each block's weights all-gathered in forward and backward, its gradients reduce-scattered
+    """
+    pp, tp = sizes.get("pp", 1), sizes.get("tp", 1)
+    replicate, shard = sizes.get("dp_replicate", 1), sizes.get("dp_shard", 1)
+    holds = ([f"1/{pp} of the blocks (a pipeline stage)"] if pp > 1 else []) + (
+        [f"1/{tp} of each layer's weights (tp)"] if tp > 1 else []) + (
+        [f"1/{shard} of those (FSDP)" if pp > 1 or tp > 1 else f"1/{shard} of the weights (FSDP)"] if shard > 1 else [])
+    state = pp * tp * shard
+    holds_text = (", then ".join(holds) + (f": 1/{state} of the model's training state" if len(holds) > 1 else "")
+                  if holds else "the whole model")
+    talks = ([f"pp: each micro-batch's activations to the next stage and their gradients back; the bubble idles "
+              f"(p-1)/(m+p-1) of a step ({pp - 1}/{pp + 1} with m = {pp} micro-batches)"] if pp > 1 else []) + (
+        ["tp: 2 all-gathers and 2 reduce-scatters of the activations per block, forward and again backward"]
+        if tp > 1 else []) + (
+        ["dp_shard: each block's weights all-gathered in forward and backward, its gradients reduce-scattered"]
+        if shard > 1 else []) + (
+        [f"dp_replicate: the gradient shards all-reduced across the {replicate} replicas"] if replicate > 1 else [])
+    return [("each rank", f"{holds_text}; reads 1/{replicate * shard} of each global batch"),
+            ("each step", "; ".join(talks) or "nothing: one process")]

@@ -29,6 +29,9 @@ class Profile:
     use_cpu: bool
     dynamo_backend: str = "NO"  # the profile's dynamo_config: compile the model in prepare with this backend
     parallelism: bool = False  # the profile has Accelerate's parallelism_config keys (a device mesh)
+    # The toolkit's pipeline keys in that parallelism_config (parallelism_config_pp_size, _pp_schedule,
+    # _pp_microbatches), which accelerate launch does not hand over: toolkit launch does, as PARALLELISM_CONFIG_PP_*.
+    pipeline: tuple = ()
 
     @property
     def processes_per_machine(self) -> int:
@@ -65,6 +68,10 @@ def load_profile(path: str) -> Profile:
         use_cpu=bool(config.use_cpu),
         dynamo_backend=str((getattr(config, "dynamo_config", None) or {}).get("dynamo_backend", "NO")).upper(),
         parallelism=bool(getattr(config, "parallelism_config", None)),
+        pipeline=tuple((key[len("parallelism_config_"):].upper(), str(value)) for key, value
+                       in (getattr(config, "parallelism_config", None) or {}).items()
+                       if key in ("parallelism_config_pp_size", "parallelism_config_pp_schedule",
+                                  "parallelism_config_pp_microbatches")),
     )
     check_profile(profile)
     return profile
@@ -142,6 +149,7 @@ def accelerate_environment(profile: Profile, fsdp: bool) -> dict[str, str]:
         variables = prepare_multi_gpu_env(args)
     except (ValueError, TypeError, KeyError) as error:
         raise UserError(f"accelerate rejected {profile.path}: {' '.join(str(error).split())}") from None
-    return {k: v for k, v in variables.items()
-            if fsdp and (k.startswith("FSDP_") or k == "ACCELERATE_USE_FSDP") or dynamo and k.startswith("ACCELERATE_DYNAMO_")
-            or mesh and (k.startswith("PARALLELISM_CONFIG_") or k == "ACCELERATE_USE_PARALLELISM_CONFIG")}
+    return {**{k: v for k, v in variables.items()
+               if fsdp and (k.startswith("FSDP_") or k == "ACCELERATE_USE_FSDP") or dynamo and k.startswith("ACCELERATE_DYNAMO_")
+               or mesh and (k.startswith("PARALLELISM_CONFIG_") or k == "ACCELERATE_USE_PARALLELISM_CONFIG")},
+            **({f"PARALLELISM_CONFIG_{key}": value for key, value in profile.pipeline} if mesh else {})}
