@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 
+from toolkit.engines.tensor_parallel import tied_names
 from toolkit.errors import UserError
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
@@ -52,17 +53,10 @@ def stage_blocks(blocks: nn.ModuleList, indices: range) -> nn.ModuleDict:
     return nn.ModuleDict({str(i): blocks[i] for i in indices})
 
 
-def _tied(model: nn.Module) -> list[list[str]]:
-    by_param: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        by_param.setdefault(id(param), []).append(name)
-    return [names for names in by_param.values() if len(names) > 1]
-
-
 def share_tied(model: nn.Module, state: dict, tied: list[list[str]] | None = None) -> dict:
     """A full state dict whose tied weights are one tensor under each of their names, as a plain model's state dict
     has them (tensor parallel and pipeline stages gather each name's copy apart)."""
-    for names in _tied(model) if tied is None else tied:
+    for names in tied_names(model) if tied is None else tied:
         present = [name for name in names if name in state]
         for name in present[1:]:
             state[name] = state[present[0]]
@@ -83,10 +77,10 @@ class Pipeline:
         if len(blocks) < self.stages:
             raise UserError(f"pp_size {self.stages} is more stages than {type(model).__name__}'s {len(blocks)} "
                             f"blocks; use a pp_size of at most {len(blocks)}.")
-        self.whole_tied = _tied(model)  # the whole model's tied names, for a gathered state dict
+        self.whole_tied = tied_names(model)  # the whole model's tied names, for a gathered state dict
         self.tied = self._tied_pairs(model, mesh)
         whole = set(model.state_dict())
-        canonical = {name: names[0] for names in _tied(model) for name in names}  # named_parameters' first
+        canonical = {name: names[0] for names in tied_names(model) for name in names}  # named_parameters' first
         setattr(model, plan["blocks"], stage_blocks(blocks, block_ranges(len(blocks), self.stages)[self.index]))
         gone = ([] if self.first else plan["embed"]) + ([] if self.last else plan["output"])
         for name in gone:
@@ -102,7 +96,7 @@ class Pipeline:
     def _tied_pairs(self, model, mesh) -> tuple:
         """(this stage's name of a weight tied between the first and last stage, the group of the two ranks that hold
         it) or (); every rank forms every pair's group, in one order."""
-        spans = [names for names in _tied(model) if any(n.split(".")[0] in self.plan["embed"] for n in names)
+        spans = [names for names in tied_names(model) if any(n.split(".")[0] in self.plan["embed"] for n in names)
                  and any(n.split(".")[0] in self.plan["output"] for n in names)]
         if not spans or self.stages == 1:
             return ()

@@ -117,7 +117,7 @@ def parallelize(model: nn.Module, tp_mesh) -> nn.Module:
     # full state dict): a cost note, not an error (every rank still ends with the same value), said on every rank.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     by_name = _matches(tp_plan(model), model)
-    tied = _tied(model)
+    tied = tied_names(model)
     # Outer modules first: a module's input/output preparation wraps what its children do.
     for name in sorted(by_name, key=lambda n: n.count(".")):
         parallelize_module(model.get_submodule(name), tp_mesh, STYLES[by_name[name]]())
@@ -130,7 +130,7 @@ def parallelize(model: nn.Module, tp_mesh) -> nn.Module:
     return model
 
 
-def _tied(model: nn.Module) -> list[list[str]]:
+def tied_names(model: nn.Module) -> list[list[str]]:
     """The names of each parameter registered under more than one name."""
     by_param: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
