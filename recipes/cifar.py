@@ -30,6 +30,7 @@ import toolkit
 from toolkit.data import DATASET_CHOICES, load_data
 from toolkit.data.memory import AUGMENTATIONS, MemoryLoader, build_torch_loader, normalize
 from toolkit.models.nets import MODELS, build_model
+from toolkit.plan import plan_run, workloads
 from toolkit.train import (EvalMetrics, TrainingConfig, TrainingRun, WeightEMA, adapt_model, apply_preset,
                            average_batchnorm_stats, build_optimizer, check_config, decay_groups, flops_per_sample,
                            lr_schedule, plan_batches, run_guard)
@@ -82,11 +83,16 @@ def main(argv=None):
     accelerator = toolkit.build_accelerator(cfg.engine, mixed_precision=cfg.mixed_precision, timeout=cfg.timeout,
                                             log_with=cfg.trackers, project_dir=cfg.output_dir,
                                             checkpoint_format=cfg.checkpoint_format)
-    plan = plan_batches(cfg.global_batch_size, accelerator.num_processes, cfg.micro_batch_size)
-    accelerator.gradient_accumulation_steps = plan.accumulation
     accelerator.set_seed(cfg.seed)
     with accelerator.main_process_first():  # one download, not one per rank
         data = load_data(cfg.dataset, cfg.data_dir, cfg.seed)
+    # The plan's prediction for this run (toolkit plan), checked after the first evaluation; with
+    # --micro-batch-size auto, the largest micro-batch it predicts fits
+    workload = workloads.images(cfg.model, lambda: build_model(cfg.model, data.num_classes), data.num_classes,
+                                optimizer=cfg.optimizer)
+    forecast = plan_run(cfg, accelerator, workload)
+    plan = plan_batches(cfg.global_batch_size, accelerator.num_processes, forecast.micro_batch, forecast.said)
+    accelerator.gradient_accumulation_steps = plan.accumulation
     train_loader, test_loader = build_loaders(cfg, data, accelerator, plan.micro_batch)
 
     model = build_model(cfg.model, data.num_classes)
@@ -94,7 +100,8 @@ def main(argv=None):
     model, average_bn = adapt_model(model, cfg, accelerator)
     optimizer = build_optimizer(cfg.optimizer, decay_groups(model, cfg.weight_decay), lr=cfg.lr)  # sgd or adamw
     model, optimizer = accelerator.prepare(model, optimizer)
-    run = TrainingRun(accelerator, cfg, plan, batches_per_epoch=len(train_loader), flops_per_sample=flops)
+    run = TrainingRun(accelerator, cfg, plan, batches_per_epoch=len(train_loader), flops_per_sample=flops,
+                      forecast=forecast)
     # Stepped once per optimizer step below (a prepared one ticks once per process), saved with the state.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg.schedule, run.total_steps, cfg.warmup))
     ema = WeightEMA(model, cfg.ema_decay, accelerator) if cfg.ema_decay else None  # --ema-decay: averaged weights

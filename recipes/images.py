@@ -19,7 +19,7 @@ and flip for training, resize and centre crop for evaluation. The global batch, 
 resume and records are cifar.py's. An unreadable image file stops the run with its path (exit 2).
 """
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ import toolkit
 from toolkit.data.folder import StreamingLoader, default_workers, image_transform, open_images
 from toolkit.data.memory import AUGMENTATIONS
 from toolkit.models.timm_models import is_timm_model
+from toolkit.plan import plan_run, workloads
 from toolkit.models.vision import (TOOLKIT_PREFIX, build_image_model, freeze_backbone, head_parameter_names,
                                    is_torchvision_model)
 from toolkit.train import (EvalMetrics, TrainingConfig, TrainingRun, WeightEMA, adapt_model, apply_preset,
@@ -112,11 +113,17 @@ def main(argv=None):
     accelerator = toolkit.build_accelerator(cfg.engine, mixed_precision=cfg.mixed_precision, timeout=cfg.timeout,
                                             log_with=cfg.trackers, project_dir=cfg.output_dir,
                                             checkpoint_format=cfg.checkpoint_format)
-    plan = plan_batches(cfg.global_batch_size, accelerator.num_processes, cfg.micro_batch_size)
-    accelerator.gradient_accumulation_steps = plan.accumulation
     accelerator.set_seed(cfg.seed)
     with accelerator.main_process_first():  # one parquet cache, not one per rank
         data = open_images(cfg.data_dir, cache_dir=cfg.output_dir)
+    # The plan's prediction for this run (toolkit plan), checked after the first evaluation; with
+    # --micro-batch-size auto, the largest micro-batch it predicts fits
+    workload = workloads.images(cfg.model, lambda: image_model(replace(cfg, weights=None), len(data.classes),
+                                                               say=lambda line: None),
+                                len(data.classes), cfg.image_size, cfg.optimizer)
+    forecast = plan_run(cfg, accelerator, workload)
+    plan = plan_batches(cfg.global_batch_size, accelerator.num_processes, forecast.micro_batch, forecast.said)
+    accelerator.gradient_accumulation_steps = plan.accumulation
     train_loader, val_loader = build_loaders(cfg, data, accelerator, plan.micro_batch)
 
     model = image_model(cfg, len(data.classes), accelerator.print)
@@ -126,7 +133,8 @@ def main(argv=None):
     groups = decay_groups(model, cfg.weight_decay, head=head_parameter_names(model), head_lr=cfg.head_lr)
     optimizer = build_optimizer(cfg.optimizer, groups, lr=cfg.lr)
     model, optimizer = accelerator.prepare(model, optimizer)
-    run = TrainingRun(accelerator, cfg, plan, batches_per_epoch=len(train_loader), flops_per_sample=flops)
+    run = TrainingRun(accelerator, cfg, plan, batches_per_epoch=len(train_loader), flops_per_sample=flops,
+                      forecast=forecast)
     run.config["classes"] = data.classes  # saved with every checkpoint: the model's outputs, named
     # Stepped once per optimizer step below (a prepared one ticks once per process), saved with the state.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg.schedule, run.total_steps, cfg.warmup))

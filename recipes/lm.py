@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 import toolkit
 from toolkit.data.text import GENESIS, WindowLoader, load_text, window_dataset
 from toolkit.models.gpt import GPT_SIZES, build_gpt
+from toolkit.plan import plan_run, workloads
 from toolkit.train import (EvalMetrics, TrainingConfig, TrainingRun, WeightEMA, adapt_model, apply_preset,
                            build_optimizer, check_config, decay_groups, flops_per_sample, lr_schedule, plan_batches,
                            run_guard)
@@ -66,11 +67,14 @@ def main(argv=None):
     accelerator = toolkit.build_accelerator(cfg.engine, mixed_precision=cfg.mixed_precision, timeout=cfg.timeout,
                                             log_with=cfg.trackers, project_dir=cfg.output_dir,
                                             checkpoint_format=cfg.checkpoint_format)
-    # Ranks that read different data: every process, but the tp ranks of a tensor-parallel mesh share one batch
-    plan = plan_batches(cfg.global_batch_size, accelerator.data_parallel_size, cfg.micro_batch_size)
-    accelerator.gradient_accumulation_steps = plan.accumulation
     accelerator.set_seed(cfg.seed)
     text = load_text(cfg.text)
+    # The plan's prediction for this run (toolkit plan), checked after the first evaluation; with
+    # --micro-batch-size auto, the largest micro-batch it predicts fits
+    forecast = plan_run(cfg, accelerator, workloads.lm(cfg.model, text.vocab_size, block_size, cfg.optimizer))
+    # Ranks that read different data: every process, but the tp ranks of a tensor-parallel mesh share one batch
+    plan = plan_batches(cfg.global_batch_size, accelerator.data_parallel_size, forecast.micro_batch, forecast.said)
+    accelerator.gradient_accumulation_steps = plan.accumulation
     # Training windows sharded so that every optimizer step holds the same sequences on any world size.
     train_loader = WindowLoader(text.train, block_size, plan.micro_batch, rank=accelerator.data_parallel_index,
                                 world_size=accelerator.data_parallel_size, seed=cfg.seed, device=accelerator.device)
@@ -84,7 +88,7 @@ def main(argv=None):
     optimizer = build_optimizer(cfg.optimizer, decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.99))
     model, optimizer = accelerator.prepare(model, optimizer)
     run = TrainingRun(accelerator, cfg, plan, batches_per_epoch=len(train_loader), unit="sequences",
-                      flops_per_sample=flops)
+                      flops_per_sample=flops, forecast=forecast)
     run.config["vocabulary"] = text.chars  # saved with every checkpoint: what each output means
     # Stepped once per optimizer step below (a prepared one ticks once per process), saved with the state.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg.schedule, run.total_steps, cfg.warmup))

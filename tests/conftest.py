@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -16,6 +17,9 @@ from toolkit.engines.workers import freeze_what_is_loaded
 from machine_share import pytest_collection_modifyitems, pytest_runtest_protocol  # noqa: F401 (hooks)
 
 ROOT = Path(__file__).resolve().parent.parent
+# The plan's measurement of this machine (toolkit/plan/device.py) is cached per suite run, not read from the user's
+# ~/.cache: a recipe run predicts its step time only where a test measured the machine first.
+os.environ.setdefault("TOOLKIT_CACHE", tempfile.mkdtemp(prefix="toolkit-cache-"))
 SCRIPTS = ROOT / "tests" / "scripts"
 CONFIGS = ROOT / "accelerate_configs"
 # Variables a launcher leaves behind would make a child think it is a rank of some other job.

@@ -1,5 +1,5 @@
 """Modules stay short (a file within 400 lines, a function within 60), and imports flow one way through the
-toolkit's layers (STYLE.md): errors/config <- launch <- checkpoint <- engines <- data/models <- train <- check <- cli and the
+toolkit's layers (STYLE.md): errors/config <- launch <- checkpoint <- engines <- data/models <- train <- plan <- check <- cli and the
 package itself. Every import counts: at the top of a module or inside a function, `import toolkit.x`,
 `from toolkit.x import y`, `from toolkit import x` and relative ones. A lower layer that needs to call up exposes
 a hook instead (toolkit/engines/observers.py)."""
@@ -19,6 +19,7 @@ LAYERS = [
     ("toolkit.engines",),
     ("toolkit.data", "toolkit.models"),
     ("toolkit.train",),
+    ("toolkit.plan",),
     ("toolkit.check",),
     ("toolkit.use",),
     ("toolkit.cli", "toolkit", "recipes"),

@@ -7,6 +7,7 @@
     toolkit checkpoint consolidate CHECKPOINT [--out PATH]
     toolkit predict CHECKPOINT IMAGES...|FOLDER [--top-k 5] [--batch-size 64] [--device auto] [--out FILE.csv|.json]
     toolkit export CHECKPOINT --format onnx|torchscript|safetensors [--out PATH]
+    toolkit plan [--recipe cifar|images|lm] [--model M] [--global-batch-size G] [--device here|H100|...] [--memory GiB]
 """
 
 from __future__ import annotations
@@ -146,6 +147,14 @@ def _export_parser(sub):
                    "instead of its weights")
 
 
+def _plan_parser(sub):
+    from toolkit.plan.command import add_arguments
+
+    add_arguments(sub.add_parser("plan", help="predict each setup's per-rank peak memory and step time for a "
+                                 "recipe's model and global batch, mark what does not fit, recommend the fastest "
+                                 "that does"))
+
+
 class _Parser(StrictParser):
     def error(self, message):  # one line and exit 2, like every other user error here
         self.exit(2, f"error: {with_suggestion(self, message)} (see `toolkit --help`)\n")
@@ -168,6 +177,7 @@ def main(argv=None) -> int:
     _checkpoint_parser(sub)
     _predict_parser(sub)
     _export_parser(sub)
+    _plan_parser(sub)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # refused by the (sub)command's own parser, which knows the flag meant
         _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -200,6 +210,10 @@ def main(argv=None) -> int:
             from toolkit.use.export import run_export
 
             return run_export(args)
+        if args.command == "plan":
+            from toolkit.plan.command import run_plan
+
+            return run_plan(args)
     except RunFailure as error:  # UserError included: one sentence, its own exit code
         return report(error)
     except KeyboardInterrupt:

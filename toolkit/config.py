@@ -91,8 +91,8 @@ def build_parser(config_class, description: str | None = None) -> argparse.Argum
     hints = typing.get_type_hints(config_class)
     for field in dataclasses.fields(config_class):
         flag = "--" + field.name.replace("_", "-")
-        kind = _flag_type(hints[field.name])
         meta = dict(field.metadata)
+        kind = meta.pop("type", None) or _flag_type(hints[field.name])
         if not meta.get("help") and meta.get("choices"):  # argparse shows a default only next to a help text
             meta["help"] = "one of " + ", ".join(map(str, meta["choices"]))
         if kind is bool:

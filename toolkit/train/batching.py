@@ -15,7 +15,7 @@ not the math.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from toolkit.config import listing
 from toolkit.errors import UserError
@@ -27,17 +27,18 @@ class BatchPlan:
     processes: int
     micro_batch: int  # images per process per forward
     accumulation: int  # forwards per process per optimizer step
+    why: str = field(default="", compare=False)  # how the micro-batch was chosen (--micro-batch-size auto)
 
     def __str__(self) -> str:
         return (f"{self.global_batch} = {self.processes} process(es) x micro-batch {self.micro_batch} x "
-                f"accumulation {self.accumulation}")
+                f"accumulation {self.accumulation}" + (f" ({self.why})" if self.why else ""))
 
 
 def _divisors(n: int, limit: int = 64) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
-def plan_batches(global_batch: int, processes: int, micro_batch: int | None = None) -> BatchPlan:
+def plan_batches(global_batch: int, processes: int, micro_batch: int | None = None, why: str = "") -> BatchPlan:
     """Split `global_batch` over `processes`, each computing micro-batches of `micro_batch` (default: its
     whole share in one forward). A split that does not divide is refused with one sentence naming the
     process counts and micro-batches that would."""
@@ -56,4 +57,4 @@ def plan_batches(global_batch: int, processes: int, micro_batch: int | None = No
         raise UserError(
             f"--micro-batch-size {micro} does not divide the {share} images each of the {processes} process(es) "
             f"computes per optimizer step (global batch {global_batch}); use one of {listing(_divisors(share))}.")
-    return BatchPlan(global_batch, processes, micro, share // micro)
+    return BatchPlan(global_batch, processes, micro, share // micro, why)

@@ -23,8 +23,12 @@ class TrainingConfig:
     output_dir: str = field(default="runs/train", metadata={"help": "checkpoints, metrics and summary.json"})
     global_batch_size: int | None = field(default=None, metadata={"help": "samples per optimizer step, all processes; "
                                           "from the preset"})
-    micro_batch_size: int | None = field(default=None, metadata={"help": "samples per process per forward "
-                                         "(caps memory; default: global batch / processes)"})
+    micro_batch_size: int | str | None = field(default=None, metadata={
+        "type": lambda text: "auto" if text == "auto" else int(text), "metavar": "N|auto",
+        "help": "samples per process per forward (caps memory; default: global batch / processes); auto: the "
+                "largest the plan predicts fits the device (toolkit plan)"})
+    memory: float | None = field(default=None, metadata={"metavar": "GIB", "help": "memory one process may hold, "
+                                 "for --micro-batch-size auto (default: the GPU's, or the machine's shared)"})
     lr: float | None = field(default=None, metadata={"help": "peak learning rate; default: the preset's, scaled "
                              "linearly with the global batch"})
     weight_decay: float | None = field(default=None, metadata={"help": "decoupled from biases and norms; from the preset"})

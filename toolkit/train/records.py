@@ -205,3 +205,9 @@ def _csv_header(path: Path) -> list[str] | None:
             return next(csv.reader(f), None) or None
     except FileNotFoundError:
         return None
+
+
+def average_figures(metrics: dict) -> dict:
+    """The weight average's test figures (--ema-decay: `evaluate` puts them under "ema"), as the records name them."""
+    ema = metrics.get("ema")
+    return {"ema_test_accuracy": ema["accuracy"], "ema_test_loss": ema["loss"]} if ema else {}

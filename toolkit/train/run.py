@@ -39,8 +39,9 @@ from toolkit.train.cost import (StepCost, mfu, peak_flops, peak_memory_bytes, pe
                                 seconds_since_process_start)
 from toolkit.train.data_position import epoch_batches, resume_position
 from toolkit.train.divergence import DivergenceWatch
+from toolkit.train.plan_check import PlanCheck
 from toolkit.train.profiling import StepProfiler
-from toolkit.train.records import RunRecorder, Throughput, check_fresh_output_dir
+from toolkit.train.records import RunRecorder, Throughput, average_figures, check_fresh_output_dir
 from toolkit.train.resume import Resume, load_weights_and_schedule, schedule_among
 
 
@@ -50,7 +51,7 @@ class TrainingRun:
     the resolved config (`state_dict`, also merged into state.json) and restores it (`load_state_dict`)."""
 
     def __init__(self, accelerator, cfg, plan, batches_per_epoch: int, unit: str = "images",
-                 flops_per_sample: int | None = None):
+                 flops_per_sample: int | None = None, forecast=None):
         self.accelerator, self.cfg, self.plan, self.env = accelerator, cfg, plan, read_launch_env()
         self.unit = unit  # what a sample is, in what the run prints (the records' columns say images)
         self.restarts = agreed_restart_count(accelerator, self.env.restart_count)
@@ -85,6 +86,7 @@ class TrainingRun:
         self._progress = self._tick = self._resumed_from = None
         self.keeper = BestCheckpoint(cfg.keep_best, self.checkpoints, cfg.keep, accelerator.is_main_process, self.say)
         self.peak_memory = None  # (least, most) over ranks, at the last evaluation
+        self.plan_check = PlanCheck(forecast, accelerator, compiled=bool(getattr(cfg, "compile", False)))
         # Loud warnings for a run that trains to nothing with exit 0: a schedule too short to start at the full lr
         # (said by `run.divergence.started(classes)` after the start line) and evaluations that diverge or stay at
         # chance; `warnings` holds those lines (the start-time one from here on), for the summary.
@@ -127,14 +129,19 @@ class TrainingRun:
         self._tick, epoch = time.perf_counter(), self.epoch
         self.cost.restart()
         fetched = enumerate(epoch_batches(loader, epoch, self.batch), self.batch)
-        while True:
-            self.cost.fetching()
-            asked = time.perf_counter()
-            batch, item = next(fetched, (None, None))
-            self.cost.waited(time.perf_counter() - asked)  # the step's data wait: blocked on the loader
-            if batch is None or batch >= self.micro_per_epoch or self.step >= self.total_steps or self.epoch != epoch:
-                break
-            yield item
+        try:
+            while True:
+                self.cost.fetching()
+                asked = time.perf_counter()
+                batch, item = next(fetched, (None, None))
+                self.cost.waited(time.perf_counter() - asked)  # the step's data wait: blocked on the loader
+                if batch is None or batch >= self.micro_per_epoch or self.step >= self.total_steps or self.epoch != epoch:
+                    break
+                if batch % self.plan.accumulation == 0:  # a step's first micro-batch: the plan counts the second
+                    self.plan_check.step_starts(self.step - self.first_step)
+                yield item
+        finally:
+            self.plan_check.stop()
 
     def step_done(self, loss: float, lr: float, **values) -> dict:
         """Count the optimizer step just taken, write its row (and `values`) to the records; returns what the
@@ -145,6 +152,7 @@ class TrainingRun:
         now = time.perf_counter()
         self.throughput.step(self.plan.global_batch, now - self._tick)
         split = self.cost.step(now - self._tick)  # data wait and compute (the step's time without saving)
+        self.plan_check.step_done(now - self._tick)
         if self.time_to_first_step_s is None:  # this process's start to its first optimizer step done
             self.time_to_first_step_s, self.first_step_at = seconds_since_process_start(), time.time()
         self.profiler.tick(self.step)  # --profile-steps: starts before step A, writes the traces after step B
@@ -183,12 +191,13 @@ class TrainingRun:
                  + (f", top-5 {metrics['top5_accuracy']:.4f}" if top5 else "")
                  + (f"; weight average (--ema-decay) {ema['ema_test_accuracy']:.4f}" if ema else ""))
         self.peak_memory = self.gathered_peak_memory()
-        utilisation = self.mfu()
+        utilisation, (planned, missed) = self.mfu(), self.plan_check.evaluated()
         mesh = mesh_sizes(self.accelerator)
         self.say(f"{label}: {self.cost.report()} of the time since the last evaluation · peak memory "
                  + peak_range(self.peak_memory) + " per rank"
                  + (" on mesh " + " x ".join(f"{dim} {size}" for dim, size in mesh.items()) if mesh else "")
-                 + (f" · MFU {utilisation:.0%}" if utilisation is not None else " · MFU unknown"))
+                 + (f" · MFU {utilisation:.0%}" if utilisation is not None else " · MFU unknown") + planned)
+        self.say(missed)
         names = self.config.get("classes") or self.config.get("vocabulary")  # images.py's, lm.py's outputs
         self.divergence.check(metrics, final=self.step >= self.total_steps, classes=len(names) if names else None)
         if "confusion_matrix" in metrics and self.accelerator.is_main_process:
@@ -224,9 +233,9 @@ class TrainingRun:
         done = self.batch / self.micro_per_epoch
         return round(self.epoch + done, 3), f"step {self.step} ({done:.0%} into epoch {self.epoch + 1})"
 
-    def say(self, line: str):
-        """One line from the main process, through tqdm so it is not glued to the progress bar."""
-        if self.accelerator.is_main_process:
+    def say(self, line: str | None):
+        """One line from the main process, through tqdm so it is not glued to the progress bar (None: nothing)."""
+        if line is not None and self.accelerator.is_main_process:
             (self._progress or tqdm).write(line)
 
     def close_progress(self):
@@ -376,7 +385,7 @@ class TrainingRun:
             wall_time_s=round(sum(a["wall_time_s"] for a in attempts), 3), attempts=attempts,
             world_changes=world_changes(attempts),
             world_size=accelerator.num_processes, mesh=mesh_sizes(accelerator), global_batch_size=plan.global_batch,
-            micro_batch_size=plan.micro_batch,
+            micro_batch_size=plan.micro_batch, plan=self.plan_check.summary(),
             gradient_accumulation=plan.accumulation, mixed_precision=accelerator.mixed_precision,
             skipped_steps=getattr(accelerator, "skipped_steps", 0),
             warnings=list(dict.fromkeys(line for a in attempts for line in a.get("warnings", []))), **extra,
@@ -389,8 +398,3 @@ class TrainingRun:
                           + (f", {skipped} optimizer step(s) skipped (fp16 overflow or non-finite loss)" if skipped else ""))
         return summary
 
-
-def average_figures(metrics: dict) -> dict:
-    """The weight average's test figures (--ema-decay: `evaluate` puts them under "ema"), as the records name them."""
-    ema = metrics.get("ema")
-    return {"ema_test_accuracy": ema["accuracy"], "ema_test_loss": ema["loss"]} if ema else {}
