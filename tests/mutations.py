@@ -297,7 +297,22 @@ def _abbreviations_taken(init, config):
     return lambda self, *args, **kwargs: init(self, *args, **{**kwargs, "allow_abbrev": True})
 
 
+def _adam_state_counted_once(optimizer_state, memory):
+    return lambda trace, held: held  # one state tensor per parameter, whatever the optimizer keeps
+
+
+def _fsdp_share_whole(fsdp_share, memory):
+    return lambda nbytes, rows, ranks: nbytes  # each rank holds the whole tensor, as under ddp
+
+
+def _all_reduce_at_1x(all_reduce_seconds, step_time):
+    def once(nbytes, ranks, device, messages=1):  # the bytes sent once, not 2(n-1)/n times
+        return 0.0 if ranks <= 1 else 2 * (ranks - 1) * device.alpha_s * messages + nbytes / device.beta
+    return once
+
+
 PARITY, FLAGS, API = "tests/test_parity.py", "tests/test_flags.py", "tests/test_engine_api.py"
+PLAN = "tests/test_plan.py"
 OPTIMIZERS, RECIPE = "tests/test_optimizers.py", "tests/test_recipe.py"
 PIPELINE = "tests/test_pipeline.py::test_the_lm_recipe_trains_under_a_pipeline_as_one_process"
 TENSOR_PARALLEL = "tests/test_tensor_parallel.py::test_the_lm_recipe_trains_under_a_tensor_parallel_mesh_as_one_process"
@@ -439,4 +454,16 @@ MUTATIONS = {
         "toolkit.engines.base", "TorchEngine.init_trackers", _log_on_every_rank,
         (f"{FLAGS}::test_tensorboard_holds_every_step_loss_and_the_config_in_one_file_from_rank_0",),
         "one writer: every rank starts the trackers and writes the same event files"),
+    "adam-state-counted-once": Mutation(
+        "toolkit.plan.memory", "optimizer_state", _adam_state_counted_once,
+        (f"{PLAN}::test_the_optimizer_state_is_what_torch_keeps_after_a_step",),
+        "the plan: AdamW's two moments counted as one state tensor, so a rank's predicted peak is too low"),
+    "fsdp-share-not-divided": Mutation(
+        "toolkit.plan.memory", "fsdp_share", _fsdp_share_whole,
+        (f"{PLAN}::test_an_fsdp_rank_holds_the_share_the_plan_predicts",),
+        "the plan: fsdp's per-rank share of the training state not divided by the ranks"),
+    "all-reduce-costed-once": Mutation(
+        "toolkit.plan.step_time", "all_reduce_seconds", _all_reduce_at_1x,
+        (f"{PLAN}::test_an_all_reduce_costs_what_a_ring_sends[4]",),
+        "the plan: an all-reduce costed at its bytes once, not the ring's 2(n-1)/n times them"),
 }

@@ -115,3 +115,14 @@ def test_memory_meshes_quick_world_2_splits_the_training_state(tmp_path):
         for kind in range(3):  # parameters, gradients, optimizer state: about half of ddp's each
             assert 0.45 <= rows[name][kind] / rows["ddp x 2"][kind] <= 0.56, (name, rows)
         assert rows[name][3] > 0  # activations saved for backward
+
+
+def test_plan_accuracy_quick_measures_its_setups_and_prints_each_goal(tmp_path):
+    """Three setups predicted and measured in fresh processes (the machine measured first, into the suite's
+    cache): a row each with both figures, and the four goals' verdicts, whatever they are on this machine."""
+    proc = run([PY, BENCHMARKS / "plan_accuracy.py", "--quick", "--out", tmp_path / "out"], timeout=600)
+    rows = [line for line in proc.stdout.splitlines() if "predicted," in line and " measured (" in line]
+    assert len(rows) == 3, proc.stdout
+    verdicts = re.findall(r"goal [<>]= [\d.]+%\): (reached|MISSED)$", proc.stdout, re.MULTILINE)
+    assert len(verdicts) == 4, proc.stdout
+    assert "plan accuracy" in (tmp_path / "out" / "results.md").read_text()

@@ -17,6 +17,7 @@ import sys
 import time
 
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 import toolkit.errors
 
@@ -26,7 +27,8 @@ cross_entropy, calls = F.cross_entropy, [0]
 
 def poisoned(*args, **kwargs):
     loss = cross_entropy(*args, **kwargs)
-    if kwargs.get("reduction", "mean") != "mean" or os.environ.get("RANK", "0") != RANK:
+    if kwargs.get("reduction", "mean") != "mean" or os.environ.get("RANK", "0") != RANK or isinstance(
+            args[0], FakeTensor):  # the plan's simulated step (toolkit/plan) runs the loss on fake tensors first
         return loss
     calls[0] += 1
     return loss * float("nan") if calls[0] == STEP else loss

@@ -82,10 +82,10 @@ def run_plan(args) -> int:
     if args.json:
         ordered = ([best] if best else []) + [r for r in rows if r is not best]
         print(json.dumps([as_dict(r) for r in ordered], indent=1))
-        return 0
+        return 0 if best else 1
     for line in render(work, device, batch, planner, rows, best, time.perf_counter() - started):
         print(line)
-    return 0
+    return 0 if best else 1  # nothing fits: as `toolkit env` when what it checks would stop the launch
 
 
 def _preset_batch(model: str) -> int:
@@ -109,14 +109,15 @@ def render(work, device, batch: int, planner: Planner, rows: list[Row], best: Ro
              f"({device.source})",
              f"a row fits when its peak stays within the memory less {planner.margin:.0%} (the peak's stated error) "
              f"and {RUNTIME[device.kind] / GIB:.2f} GiB of runtime (torch itself)",
-             f"{'setup':<24}{'procs':>5} {'micro x acc':>12} {'peak GiB':>9} {'(' + ' '.join(p[:5] for p in PARTS) + ')':<34}"
-             f"{'step s':>8} (compute comm bubble data)  fits"]
+             f"{'setup':<24}{'procs':>5} {'micro x acc':>12} {'peak MiB':>9} ({' '.join(f'{p[:7]:>7}' for p in PARTS)})"
+             f"{'step s':>10} (compute comm bubble data)  fits"]
     for row in rows:
-        parts = " ".join(f"{row.memory[p] / GIB:.2f}" for p in PARTS)
-        step = (f"{row.step:8.3f} ({' '.join(f'{v:.3f}' for v in row.time.values())})" if row.time else
-                f"{'?':>8}")
-        lines.append(f"{row.setup.label():<24}{row.setup.processes:>5} {row.setup.micro_batch:>6} x {row.accumulation:<4}"
-                     f"{row.peak / GIB:>9.3f} ({parts}){'':<4}{step}  {'yes' if row.fits else 'NO'}")
+        parts = " ".join(f"{row.memory[p] / 2 ** 20:7.1f}" for p in PARTS)
+        step = (f"{row.step:10.3f} ({' '.join(f'{v:.3f}' for v in row.time.values())})" if row.time else
+                f"{'?':>10}")
+        s = row.setup
+        lines.append(f"{s.label():<24}{s.processes:>5} {s.micro_batch:>6} x {row.accumulation:<4}"
+                     f"{row.peak / 2 ** 20:>9.1f} ({parts}){step}  {'yes' if row.fits else 'NO'}")
     if best is None:
         lines.append("recommended: none: no setup fits; give more --processes, a larger --memory, or a smaller "
                      "--global-batch-size")

@@ -30,8 +30,9 @@ from toolkit.train.cost import PEAK_TFLOPS
 # Datasheet memory (GiB) of the GPUs in PEAK_TFLOPS, from the same vendors' pages.
 GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48, "A10G": 24, "L4": 24, "V100": 32, "T4": 16}
 # Datasheet figures for what a GPU's table row cannot say: HBM bandwidth of an H100 SXM (3.35 TB/s) as the order of
-# every listed GPU's; a CUDA kernel launch ~5 us (NVIDIA's guides); NVLink-class bus bandwidth within one node.
-GPU_BANDWIDTH, GPU_OP_OVERHEAD_S, GPU_LINK = 2.0e12, 5e-6, (10e-6, 100e9)
+# every listed GPU's; a CUDA kernel launch ~5 us (NVIDIA's guides); NVLink-class bus bandwidth within one node; a
+# DTensor op's host-side dispatch (measured on this project's CPU: 53 us).
+GPU_BANDWIDTH, GPU_OP_OVERHEAD_S, GPU_LINK, GPU_DTENSOR_OP_S = 2.0e12, 5e-6, (10e-6, 100e9), 50e-6
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Device:
     one_thread: float = 1.0  # a process's throughput at one thread, as a share of its throughput at every core
     half_flops: float = 0.0  # bf16/fp16 matrix FLOP/s, 0 where unknown (then `matmul_flops`)
     shared: bool = False  # `memory` is the machine's, shared by the processes on it (else each rank's)
+    dtensor_op_overhead_s: float = 0.0  # what an op on DTensors costs whatever its size (tensor parallel)
     source: str = ""
 
     def rate(self, kind: str, width: float) -> float:
@@ -85,15 +87,16 @@ def named(name: str) -> Device:
     return Device(name=key, kind="cuda", memory=GPU_MEMORY_GIB[key] * 2 ** 30, matmul_flops={1: single * 1e12},
                   conv_flops={1: single * 1e12}, half_flops=half * 1e12, bandwidth=GPU_BANDWIDTH,
                   op_overhead_s=GPU_OP_OVERHEAD_S, alpha_s=GPU_LINK[0], beta=GPU_LINK[1],
-                  source=f"{key} datasheet (toolkit/train/cost.py PEAK_TFLOPS, GPU_MEMORY_GIB)")
+                  dtensor_op_overhead_s=GPU_DTENSOR_OP_S, source=f"{key} datasheet (toolkit/train/cost.py PEAK_TFLOPS, GPU_MEMORY_GIB)")
 
 
 def custom(memory_gib: float, peak_tflops: float) -> Device:
     """A GPU given by its memory and peak FLOP/s (--memory, --peak-tflops); the rest as `named`'s."""
     return Device(name=f"{memory_gib:g} GiB, {peak_tflops:g} TFLOP/s", kind="cuda", memory=memory_gib * 2 ** 30,
-                  matmul_flops={1: peak_tflops * 1e12}, conv_flops={1: peak_tflops * 1e12}, half_flops=peak_tflops * 1e12,
+                  matmul_flops={1: peak_tflops * 1e12}, conv_flops={1: peak_tflops * 1e12},
+                  half_flops=peak_tflops * 1e12,
                   bandwidth=GPU_BANDWIDTH, op_overhead_s=GPU_OP_OVERHEAD_S, alpha_s=GPU_LINK[0], beta=GPU_LINK[1],
-                  source="--memory and --peak-tflops")
+                  dtensor_op_overhead_s=GPU_DTENSOR_OP_S, source="--memory and --peak-tflops")
 
 
 def cache_file() -> Path:
@@ -169,7 +172,8 @@ def _kernels(widths=WIDTHS) -> dict:
         for _ in range(100):
             z = z * 1.0
         z.sum().backward()
-    return {"matmul_flops": {w: _rate(*_matmul(w)) for w in widths}, "conv_flops": {w: _rate(*_conv(w)) for w in widths},
+    return {"matmul_flops": {w: _rate(*_matmul(w)) for w in widths},
+            "conv_flops": {w: _rate(*_conv(w)) for w in widths},
             "bandwidth": _rate(3 * x.nbytes * 4, lambda: [x.add_(y) for _ in range(4)]),
             "op_overhead_s": 1 / _rate(202, tiny_ops)}
 
@@ -185,10 +189,35 @@ def measure_here() -> Device:
     finally:
         torch.set_num_threads(threads)
     alpha, beta = measure_link()
+    every["dtensor_op_overhead_s"] = dtensor_overhead()
     name = platform.processor() or platform.machine()
     return Device(name=f"this machine ({cores} cores)", kind="cpu", memory=0.0, **every, alpha_s=alpha, beta=beta,
                   cores=cores, one_thread=one["matmul_flops"][256] / every["matmul_flops"][256],
                   source=f"measured here on {name} at {time.strftime('%Y-%m-%d')}, cached in {cache_file()}")
+
+
+def dtensor_overhead() -> float:
+    """Seconds per op on a DTensor (sharding propagation runs in Python for each op), timed in this process over
+    a fake process group of 2 (torch's testing backend: no peer, no communication)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():  # not inside a run: its own group stands
+        return 0.0
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        x = distribute_tensor(torch.ones(8, 4), init_device_mesh("cpu", (2,)), [Shard(0)]).requires_grad_()
+
+        def ops():  # 100 forward ops, and their backward
+            z = x
+            for _ in range(100):
+                z = z * 1.0
+            z.sum().backward()
+        return 1 / _rate(202, ops)
+    finally:
+        dist.destroy_process_group()
 
 
 def measure_link() -> tuple[float, float]:

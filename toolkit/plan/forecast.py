@@ -113,7 +113,8 @@ def plan_run(cfg, accelerator, workload) -> Forecast:
         if row.peak <= budget:
             larger = f"; {tried[-2][0]} would need {tried[-2][1] / GIB:.2f}" if len(tried) > 1 else ""
             return Forecast(micro, row.peak, row.step, workspace=row.memory["workspace"], said=
-                            f"--micro-batch-size auto: {micro}, predicted peak {row.peak / GIB:.2f} GiB per rank within "
+                            f"--micro-batch-size auto: {micro}, predicted peak {row.peak / GIB:.2f} GiB per rank "
+                            f"within "
                             f"{budget / GIB:.2f} GiB ({device.memory / GIB:.1f} GiB less {planner.margin:.0%} and "
                             f"the runtime){larger}")
     raise UserError(f"--micro-batch-size auto: even micro-batch {tried[-1][0] if tried else 1} is predicted to need "

@@ -29,17 +29,20 @@ def gather_seconds(nbytes: float, ranks: int, device: Device, messages: int = 1)
     return (ranks - 1) * device.alpha_s * messages + (ranks - 1) / ranks * nbytes / device.beta
 
 
-def kernel_seconds(trace: Trace, device: Device, precision: str, share: float = 1.0) -> float:
+def kernel_seconds(trace: Trace, device: Device, precision: str, share: float = 1.0, ops: float = 1.0,
+                   overhead: float | None = None) -> float:
     """One micro-step's forward and backward on one rank: FLOPs over the device's measured rate for their kind and
     width,
     bytes of the ops without FLOPs over its bandwidth, and each op's fixed cost; `share` of the work (a tensor-
-    parallel rank's, a pipeline stage's)."""
+    parallel rank's, a pipeline stage's) and `ops` times the ops (a pipeline stage's share, once per slice), each
+    at `overhead` (default the device's plain op's)."""
+    overhead = device.op_overhead_s if overhead is None else overhead
     half = precision in ("bf16", "fp16") and device.half_flops
     work = 0.0
     for key, flops in trace.flops.items():
         kind, width = key.split(":")
         work += flops / (half if half and kind == "matmul" else device.rate(kind, int(width)))
-    return share * (work + trace.moved / device.bandwidth) + trace.ops * device.op_overhead_s
+    return share * (work + trace.moved / device.bandwidth) + ops * trace.ops * overhead
 
 
 def optimizer_seconds(trace: Trace, device: Device, fraction: float) -> float:
@@ -64,7 +67,11 @@ def compute_seconds(at, setup: Setup, device: Device, accumulation: int) -> floa
     speed = device.share(setup.processes if device.kind == "cpu" else 1)
     trace = at(setup.micro_batch)
     held = held_parameters(trace, setup) / sum(trace.params.values())
-    kernels = kernel_seconds(trace, device, setup.precision, work_share(trace, setup))
+    share = work_share(trace, setup)
+    ops = share * setup.tp * setup.pipeline_slices if setup.pp > 1 else 1.0  # a stage runs its ops once per slice
+    dtensor = device.dtensor_op_overhead_s or device.op_overhead_s
+    kernels = kernel_seconds(trace, device, setup.precision, share, ops,
+                             dtensor if setup.tp > 1 else None)  # under tp every op is a DTensor's
     return (accumulation * kernels + optimizer_seconds(trace, device, held)) / speed
 
 

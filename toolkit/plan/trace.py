@@ -193,14 +193,15 @@ def optimizer_figures(name: str) -> tuple[float, float, float]:
     with counter:
         optimizer.step()
     size = sum(p.nbytes for p in layer.parameters())
-    state = sum(t.nbytes for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.ndim)
+    state = sum(t.nbytes for s in optimizer.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor) and t.ndim)
     return state / size, counter.ops / 2, counter.moved / size
 
 
 def layout(model: nn.Module) -> dict:
     """How the engines split the model, by parameter and module names: fsdp's shard units (each unit's parameter
-    names, engines/units.py) and the parameters it keeps whole (engines/fsdp_parts.py), the tensor-parallel styles by module (engines/tensor_parallel.py) with the heads a
-    tp size must divide, and the pipeline's parts (engines/pipeline.py): the embed and output modules and the
+    names, engines/units.py) and the parameters it keeps whole (engines/fsdp_parts.py), the tensor-parallel
+    styles by module (engines/tensor_parallel.py) with the heads a tp size must divide, and the pipeline's parts (engines/pipeline.py): the embed and output modules and the
     blocks in order."""
     from toolkit.engines.fsdp_parts import replicated_parameters
     from toolkit.engines.tensor_parallel import _matches, heads, tp_plan

@@ -35,6 +35,7 @@ class LiveTensors(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in tree_flatten(out)[0]:
+            tensor = getattr(tensor, "_local_tensor", tensor)  # a DTensor holds its local shard
             if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
                 storage = tensor.untyped_storage()
                 key = storage._cdata
