@@ -148,11 +148,27 @@ def _export_parser(sub):
 
 
 def _plan_parser(sub):
-    from toolkit.plan.command import add_arguments
-
-    add_arguments(sub.add_parser("plan", help="predict each setup's per-rank peak memory and step time for a "
-                                 "recipe's model and global batch, mark what does not fit, recommend the fastest "
-                                 "that does"))
+    # Flags only: `toolkit plan` imports torch when it runs (a Ctrl-C while the launcher imports it stays one line).
+    p = sub.add_parser("plan", help="predict each setup's per-rank peak memory and step time for a recipe's model "
+                       "and global batch, mark what does not fit, recommend the fastest that does")
+    p.add_argument("--recipe", choices=("cifar", "images", "lm"), default="cifar", help="the recipe whose model and "
+                   "loss are planned (default: cifar)")
+    p.add_argument("--model", help="the recipe's --model (default: the recipe's)")
+    p.add_argument("--global-batch-size", "--global_batch_size", type=int, metavar="G",
+                   help="samples per optimizer step over every process (default: the model's preset's)")
+    p.add_argument("--device", default="here", help="'here' (this machine, measured once and cached) or a GPU named "
+                   "in toolkit/train/cost.py's PEAK_TFLOPS: H200, H100, A100, L40S, A10G, L4, V100, T4")
+    p.add_argument("--memory", type=float, metavar="GIB", help="memory one rank may hold, GiB (with --peak-tflops: "
+                   "a GPU given by its figures)")
+    p.add_argument("--peak-tflops", "--peak_tflops", type=float, metavar="T", help="with --memory: the GPU's peak")
+    p.add_argument("--processes", default=None, metavar="N,N,...", help="world sizes to plan (default: 1,2,4; "
+                   "1,2,4,8 on a GPU)")
+    p.add_argument("--margin", type=float, default=0.10, help="share of the memory kept free (default: 0.10, the "
+                   "peak's stated error)")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), help="default: the model's preset's")
+    p.add_argument("--image-size", "--image_size", type=int, help="images recipes: pixels per side")
+    p.add_argument("--block-size", "--block_size", type=int, help="lm: tokens per sequence")
+    p.add_argument("--json", action="store_true", help="the rows as JSON, the recommended one first")
 
 
 class _Parser(StrictParser):

@@ -22,27 +22,6 @@ from toolkit.plan.table import RUNTIME, Planner, Row, candidates, recommend
 GIB = 2 ** 30
 
 
-def add_arguments(p) -> None:
-    p.add_argument("--recipe", choices=workloads.RECIPES, default="cifar", help="the recipe whose model and loss "
-                   "are planned (default: cifar)")
-    p.add_argument("--model", help="the recipe's --model (default: the recipe's)")
-    p.add_argument("--global-batch-size", "--global_batch_size", type=int, metavar="G",
-                   help="samples per optimizer step over every process (default: the model's preset's)")
-    p.add_argument("--device", default="here", help="'here' (this machine, measured once and cached) or a GPU: "
-                   f"{', '.join(devices.GPU_MEMORY_GIB)}")
-    p.add_argument("--memory", type=float, metavar="GIB", help="memory one rank may hold, GiB (with --peak-tflops: "
-                   "a GPU given by its figures)")
-    p.add_argument("--peak-tflops", "--peak_tflops", type=float, metavar="T", help="with --memory: the GPU's peak")
-    p.add_argument("--processes", default=None, metavar="N,N,...", help="world sizes to plan (default: 1,2,4; "
-                   "1,2,4,8 on a GPU)")
-    p.add_argument("--margin", type=float, default=0.10, help="share of the memory kept free (default: 0.10, the "
-                   "peak's stated error)")
-    p.add_argument("--optimizer", choices=("sgd", "adamw"), help="default: the model's preset's")
-    p.add_argument("--image-size", "--image_size", type=int, help="images recipes: pixels per side")
-    p.add_argument("--block-size", "--block_size", type=int, help="lm: tokens per sequence")
-    p.add_argument("--json", action="store_true", help="the rows as JSON, the recommended one first")
-
-
 def chosen_device(args) -> devices.Device:
     if args.peak_tflops is not None and args.memory is None:
         raise UserError("--peak-tflops describes a GPU together with --memory; give both, or name a --device.")

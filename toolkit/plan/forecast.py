@@ -95,16 +95,24 @@ def _unmeasured(name: str, kind: str, memory: float, shared: bool) -> devices.De
 def plan_run(cfg, accelerator, workload) -> Forecast:
     """The run's forecast; with --micro-batch-size auto, the largest micro-batch (a power of two dividing the
     rank's share of the global batch, or the share) whose predicted peak fits the device with the margin."""
-    device = run_device(cfg, accelerator)
-    planner = Planner(workload, device, timed=bool(device.matmul_flops))
-    share, _ = divmod(cfg.global_batch_size, accelerator.data_parallel_size)
     asked = cfg.micro_batch_size
-    if asked != "auto":
-        row = planner.predict(run_setup(cfg, accelerator, asked or max(1, share)), cfg.global_batch_size)
-        return Forecast(asked, row.peak, row.step, workspace=row.memory["workspace"])
+    try:
+        device = run_device(cfg, accelerator)
+        planner = Planner(workload, device, timed=bool(device.matmul_flops))
+        share = max(1, cfg.global_batch_size // accelerator.data_parallel_size)
+        if asked != "auto":
+            if asked is not None and asked < 1:
+                return Forecast(asked)  # plan_batches says what is wrong with it
+            row = planner.predict(run_setup(cfg, accelerator, asked or share), cfg.global_batch_size)
+            return Forecast(asked, row.peak, row.step, workspace=row.memory["workspace"])
+    except Exception as error:  # a model the fake tensors cannot run: the run goes on unpredicted, and says so
+        if asked == "auto":
+            raise UserError(f"--micro-batch-size auto cannot predict this model's memory ({type(error).__name__}: "
+                            f"{str(error).splitlines()[0][:200]}); give --micro-batch-size N.") from None
+        return Forecast(asked, said=f"the plan could not simulate this model: {type(error).__name__}")
     budget = planner.budget(int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
     tried = []
-    for micro in reversed(micro_batches(max(1, share), count=64)):
+    for micro in reversed(micro_batches(share, count=64)):
         setup = run_setup(cfg, accelerator, micro)
         if setup.pp > 1 and micro % setup.pipeline_slices:
             continue

@@ -84,11 +84,11 @@ def meshes(workload_layout: dict, processes: int, device: Device) -> list[Setup]
     return found
 
 
-def micro_batches(share: int, count: int = 5) -> list[int]:
+def micro_batches(share: int, count: int = 4) -> list[int]:
     """The largest `count` of the powers of two that divide a rank's share of the global batch, and the share.
 
     >>> micro_batches(96)
-    [4, 8, 16, 32, 96]
+    [8, 16, 32, 96]
     """
     found = sorted({d for d in range(1, share + 1) if share % d == 0 and d & (d - 1) == 0} | {share})
     return found[-count:]

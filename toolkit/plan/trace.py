@@ -145,10 +145,31 @@ def _attribution(model: nn.Module):
         post.remove()
 
 
+class _NoHook:
+    def remove(self):
+        pass
+
+
+def _peak_tracker():
+    """torch's MemTracker keeping the step's peak alone: its per-module peaks, a loop over every module at every op
+    (half a trace's time), are not read here."""
+    from copy import deepcopy
+
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+
+    class PeakTracker(MemTracker):
+        def _update_peak_stats(self, peak_state) -> None:
+            for device, snapshot in self._curr_mem_snap.items():
+                if self._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY]:
+                    self._peak_mem[device] = snapshot[_TOTAL_KEY]
+                    self._peak_mem_snap[device] = deepcopy(snapshot)
+    return PeakTracker()
+
+
 def trace(workload: Workload, micro_batch: int, checkpointing: bool = False, precision: str = "no") -> Trace:
     """Simulate two optimizer steps of `micro_batch` examples on fake tensors and read the second."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    from torch.distributed._tools.mem_tracker import _MemRefType
 
     with FakeTensorMode():
         model = workload.build()
@@ -156,7 +177,10 @@ def trace(workload: Workload, micro_batch: int, checkpointing: bool = False, pre
             checkpoint_blocks(model)
         x, y = workload.example(micro_batch)
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision in ("bf16", "fp16"))
-        tracker = MemTracker()
+        tracker = _peak_tracker()
+        for p in model.parameters():  # a frozen parameter takes no gradient hook (MemTracker would register one)
+            if not p.requires_grad:
+                tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
         tracker.track_external(model)
         with _attribution(model) as (saved, where, inputs), tracker:
             counter = _Counter(where)

@@ -27,7 +27,7 @@ class BatchPlan:
     processes: int
     micro_batch: int  # images per process per forward
     accumulation: int  # forwards per process per optimizer step
-    why: str = field(default="", compare=False)  # how the micro-batch was chosen (--micro-batch-size auto)
+    why: str = field(default="", compare=False, repr=False)  # how the micro-batch was chosen (auto)
 
     def __str__(self) -> str:
         return (f"{self.global_batch} = {self.processes} process(es) x micro-batch {self.micro_batch} x "
