@@ -1,6 +1,6 @@
 """Predicted against measured: `toolkit plan`'s per-rank peak memory and step time for 28 setups on this CPU.
 
-    python benchmarks/plan_accuracy.py            # 28 setups, about 10 min on 2 cores
+    python benchmarks/plan_accuracy.py            # 28 setups, about 12 min on 2 cores
     python benchmarks/plan_accuracy.py --quick    # 3 setups, about a minute (what tests/test_benchmarks.py runs)
 
 The setups: the tiny net, resnet18 (recipes/cifar.py's, 32x32) and gpt-tiny (recipes/lm.py's) at world sizes 1, 2
