@@ -86,11 +86,9 @@ def main(argv=None):
     accelerator.set_seed(cfg.seed)
     with accelerator.main_process_first():  # one download, not one per rank
         data = load_data(cfg.dataset, cfg.data_dir, cfg.seed)
-    # The plan's prediction for this run (toolkit plan), checked after the first evaluation; with
-    # --micro-batch-size auto, the largest micro-batch it predicts fits
-    workload = workloads.images(cfg.model, lambda: build_model(cfg.model, data.num_classes), data.num_classes,
-                                optimizer=cfg.optimizer)
-    forecast = plan_run(cfg, accelerator, workload)
+    # toolkit plan's prediction for this run, checked after the first evaluation (--micro-batch-size auto: its pick)
+    forecast = plan_run(cfg, accelerator, workloads.images(cfg.model, lambda: build_model(cfg.model, data.num_classes),
+                                                           data.num_classes, optimizer=cfg.optimizer))
     plan = plan_batches(cfg.global_batch_size, accelerator.num_processes, forecast.micro_batch, forecast.said)
     accelerator.gradient_accumulation_steps = plan.accumulation
     train_loader, test_loader = build_loaders(cfg, data, accelerator, plan.micro_batch)

@@ -116,12 +116,10 @@ def main(argv=None):
     accelerator.set_seed(cfg.seed)
     with accelerator.main_process_first():  # one parquet cache, not one per rank
         data = open_images(cfg.data_dir, cache_dir=cfg.output_dir)
-    # The plan's prediction for this run (toolkit plan), checked after the first evaluation; with
-    # --micro-batch-size auto, the largest micro-batch it predicts fits
-    workload = workloads.images(cfg.model, lambda: image_model(replace(cfg, weights=None), len(data.classes),
-                                                               say=lambda line: None),
-                                len(data.classes), cfg.image_size, cfg.optimizer)
-    forecast = plan_run(cfg, accelerator, workload)
+    # toolkit plan's prediction for this run, checked after the first evaluation (--micro-batch-size auto: its pick)
+    shape_only = replace(cfg, weights=None)  # the plan builds the model on fake tensors: no weights to read
+    forecast = plan_run(cfg, accelerator, workloads.images(cfg.model, lambda: image_model(shape_only, len(data.classes),
+                        lambda line: None), len(data.classes), cfg.image_size, cfg.optimizer))
     plan = plan_batches(cfg.global_batch_size, accelerator.num_processes, forecast.micro_batch, forecast.said)
     accelerator.gradient_accumulation_steps = plan.accumulation
     train_loader, val_loader = build_loaders(cfg, data, accelerator, plan.micro_batch)

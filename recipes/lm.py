@@ -69,8 +69,7 @@ def main(argv=None):
                                             checkpoint_format=cfg.checkpoint_format)
     accelerator.set_seed(cfg.seed)
     text = load_text(cfg.text)
-    # The plan's prediction for this run (toolkit plan), checked after the first evaluation; with
-    # --micro-batch-size auto, the largest micro-batch it predicts fits
+    # toolkit plan's prediction for this run, checked after the first evaluation (--micro-batch-size auto: its pick)
     forecast = plan_run(cfg, accelerator, workloads.lm(cfg.model, text.vocab_size, block_size, cfg.optimizer))
     # Ranks that read different data: every process, but the tp ranks of a tensor-parallel mesh share one batch
     plan = plan_batches(cfg.global_batch_size, accelerator.data_parallel_size, forecast.micro_batch, forecast.said)
