@@ -311,6 +311,19 @@ def _all_reduce_at_1x(all_reduce_seconds, step_time):
     return once
 
 
+def _config_wins_over_later_flags(parse_config, config):
+    def parse(config_class, argv=None, description=None):  # the file's values laid over every flag, wherever it stood
+        import dataclasses
+        import sys
+
+        cfg = parse_config(config_class, argv, description)
+        words = [str(word) for word in (sys.argv[1:] if argv is None else argv)]
+        if "--config" in words:
+            cfg = dataclasses.replace(cfg, **config.read_config_file(words[words.index("--config") + 1]))
+        return cfg
+    return parse
+
+
 PARITY, FLAGS, API = "tests/test_parity.py", "tests/test_flags.py", "tests/test_engine_api.py"
 PLAN = "tests/test_plan.py"
 OPTIMIZERS, RECIPE = "tests/test_optimizers.py", "tests/test_recipe.py"
@@ -466,4 +479,8 @@ MUTATIONS = {
         "toolkit.plan.step_time", "all_reduce_seconds", _all_reduce_at_1x,
         (f"{PLAN}::test_an_all_reduce_costs_what_a_ring_sends[4]",),
         "the plan: an all-reduce costed at its bytes once, not the ring's 2(n-1)/n times them"),
+    "config-overrides-later-flags": Mutation(
+        "toolkit.config", "parse_config", _config_wins_over_later_flags,
+        ("tests/test_config_file.py::test_flags_after_config_override_it_and_flags_before_it_do_not",),
+        "a run from a file: a --config value overrides a flag given after it"),
 }

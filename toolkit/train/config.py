@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.checkpoint.files import CHECKPOINT_FORMATS
+from toolkit.config import config_text, config_values
 from toolkit.engines import ENGINES
 from toolkit.errors import UserError
+from toolkit.launch.env import read_launch_env
 
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("linear", "cosine", "constant")
@@ -76,6 +78,8 @@ class TrainingConfig:
                                       "optimizer steps A to B on every rank: a trace per rank in OUTPUT_DIR/profile "
                                       "and the top-10 ops in the log; default: none"})
     skip_nonfinite: bool = field(default=False, metadata={"help": "skip steps whose loss is NaN/inf, not stop"})
+    # --print-config's format (toolkit.parse_config sets it): check_config prints the resolved settings and exits.
+    print_config: str | None = field(default=None, metadata={"flag": False})
 
     @property
     def trackers(self) -> list[str] | None:
@@ -102,4 +106,8 @@ def check_config(cfg: TrainingConfig) -> TrainingConfig:
         parse_steps(cfg.profile_steps)
     if cfg.resume not in (None, "auto") and not Path(cfg.resume).exists():
         raise UserError(f"--resume {cfg.resume}: that path does not exist; pass a checkpoint folder or 'auto'.")
+    if cfg.print_config:  # --print-config: the settings as the presets filled them, once, in a file --config reads
+        if read_launch_env().rank == 0:
+            print(config_text(config_values(cfg), cfg.print_config), end="")
+        raise SystemExit(0)
     return cfg

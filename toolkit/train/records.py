@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from toolkit.config import config_text, config_values
 from toolkit.errors import UserError
 
 
@@ -120,6 +121,13 @@ class RunRecorder:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.dir / "metrics.jsonl", "a")
+
+    def write_config(self, cfg, resolved: dict):
+        """config.yaml: the run's flags as they ran (`resolved`'s values: the presets' and the plan's micro-batch),
+        a file `--config` takes back to train the same run again."""
+        if self.active:
+            values = {name: resolved[name] for name in config_values(cfg)}
+            (self.dir / "config.yaml").write_text(config_text(values, "yaml"))
 
     def continue_from(self, elapsed_s: float):
         """Count the `time` column on from `elapsed_s`, the seconds the run had trained when its checkpoint was

@@ -63,10 +63,9 @@ class TrainingRun:
                             f"{plan.accumulation} of one optimizer step; lower --global-batch-size.")
         self.steps_per_epoch = self.micro_per_epoch // plan.accumulation
         self.total_steps = min(cfg.epochs * self.steps_per_epoch, cfg.max_steps or cfg.epochs * self.steps_per_epoch)
-        # The resolved config, as it ran (the micro-batch the plan chose): saved with every checkpoint and in
-        # summary.json; a recipe may add to it.
-        self.config = {**asdict(cfg), "micro_batch_size": plan.micro_batch,
-                       "mixed_precision": accelerator.mixed_precision}
+        # The resolved config, as it ran (the micro-batch the plan chose): saved with every checkpoint, in
+        # summary.json, and as the flags in config.yaml (--config reads it back); a recipe may add to it.
+        self.config = {**asdict(cfg), "micro_batch_size": plan.micro_batch, "mixed_precision": accelerator.mixed_precision}
         self.step = self.epoch = self.batch = 0  # batch: micro-batches of `epoch` done, whole optimizer steps
         self.throughput = Throughput()
         self.cost = StepCost(accelerator.device)  # where the time goes: data wait, compute, checkpoint saving
@@ -77,6 +76,7 @@ class TrainingRun:
         self.profiler = StepProfiler(getattr(cfg, "profile_steps", None), Path(cfg.output_dir) / "profile",
                                      accelerator.process_index, accelerator.is_main_process, self.say)
         self.records = RunRecorder(cfg.output_dir, active=accelerator.is_main_process)
+        self.records.write_config(cfg, self.config)
         self.picture = ConfusionPicture(self.records.dir / "confusion.png")  # drawn by the main process alone
         # Earlier attempts (a resume's history, as of the checkpoint it resumed from), and where this one began.
         self.attempts, self.first_step = [], 0
