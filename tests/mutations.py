@@ -324,6 +324,21 @@ def _config_wins_over_later_flags(parse_config, config):
     return parse
 
 
+def _node_rank_as_rank(torchrun_group, env):
+    def group(environ, by_accelerate, legacy_local_rank):  # Kubeflow's node rank taken for the process's rank
+        launcher, rank, *rest = torchrun_group(environ, by_accelerate, legacy_local_rank)
+        return (launcher, int(environ.get("PET_NODE_RANK", rank)), *rest)
+    return group
+
+
+def _destroys_a_given_group(end_training, group):
+    def end(self):  # the group destroyed at the end of training, whoever made it (Ray Train's among them)
+        end_training(self)
+        if group.dist.is_initialized():
+            group.dist.destroy_process_group()
+    return end
+
+
 PARITY, FLAGS, API = "tests/test_parity.py", "tests/test_flags.py", "tests/test_engine_api.py"
 PLAN = "tests/test_plan.py"
 OPTIMIZERS, RECIPE = "tests/test_optimizers.py", "tests/test_recipe.py"
@@ -483,4 +498,12 @@ MUTATIONS = {
         "toolkit.config", "parse_config", _config_wins_over_later_flags,
         ("tests/test_config_file.py::test_flags_after_config_override_it_and_flags_before_it_do_not",),
         "a run from a file: a --config value overrides a flag given after it"),
+    "pet-node-rank-as-rank": Mutation(
+        "toolkit.launch.env", "_torchrun_group", _node_rank_as_rank,
+        ("tests/test_clusters.py::test_kubeflow_trainer_nodes_start_torchrun_from_pet_variables_alone",),
+        "Kubeflow: PET_NODE_RANK (the pod's node rank) read as the process's rank"),
+    "ray-group-destroyed": Mutation(
+        "toolkit.engines.group", "ProcessGroupMixin.end_training", _destroys_a_given_group,
+        ("tests/test_ray.py::test_ray_workers_train_the_losses_of_two_torchrun_ranks_in_rays_group[auto]",),
+        "Ray Train: the process group Ray made is destroyed at the end of training"),
 }

@@ -10,6 +10,7 @@ from toolkit.launch.parallelism import ParallelismConfig
 from toolkit.config import parse_config
 from toolkit.errors import UserError
 from toolkit.launch.env import LaunchEnv, read_launch_env
+from toolkit.launch.ray_train import ray_fit, ray_train_func
 from toolkit.launch.spawn import spawn
 
 
@@ -37,6 +38,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'toolkit' has no attribute {name!r}")
 
 
-__all__ = ["ENGINES", "LaunchEnv", "ParallelismConfig", "UserError", "build_accelerator", "parse_config", "read_launch_env", "resolve_engine",
+__all__ = ["ENGINES", "LaunchEnv", "ParallelismConfig", "UserError", "build_accelerator", "parse_config", "ray_fit",
+           "ray_train_func", "read_launch_env", "resolve_engine",
            "spawn", *_TRAINING_PARTS]
 __version__ = "0.1.0"

@@ -41,7 +41,7 @@ from toolkit.launch.launcher import (
 from toolkit.launch.parallelism import mesh_story
 from toolkit.launch.profiles import Profile, accelerate_environment, check_profile, load_profile
 from toolkit.launch.rendezvous import check_main_host, resolve_host
-from toolkit.launch.topology import slurm_overrides
+from toolkit.launch.topology import system_overrides
 
 # What torchrun and `accelerate launch` leave in their children's environment: set in the shell that starts a
 # new job, they make its processes think they belong to the old one. (SLURM's and MPI's own variables are the
@@ -98,12 +98,16 @@ def launch_environment(environ: Mapping[str, str]) -> tuple[dict, list[Finding]]
         env = read_launch_env(environ, argv=["toolkit"])
         auto = resolve_engine("auto", env)
     except (ValueError, UserError) as error:
-        info = dict.fromkeys(("launcher", "rank", "world_size", "auto_engine", "auto_reason", "toolkit_engine"))
-        return info, [Finding("error", "bad-launch-variable", f"{error}; fix or unset it.")]
+        info = dict.fromkeys(("launcher", "rank", "world_size", "auto_engine", "auto_reason", "toolkit_engine",
+                              "cluster"))
+        return info, [Finding("error", "bad-launch-variable", f"{str(error).rstrip('.')}; fix or unset it.")]
     reason = f"TOOLKIT_ENGINE={env.engine}" if env.engine else f"launched by {env.launcher}"
     info = {"launcher": env.launcher, "rank": env.rank, "world_size": env.world_size,
-            "auto_engine": auto, "auto_reason": reason, "toolkit_engine": env.engine}
-    present = [name for name in LAUNCH_VARIABLES if name in environ]
+            "auto_engine": auto, "auto_reason": reason, "toolkit_engine": env.engine,
+            "cluster": None if env.cluster is None else {"name": env.cluster.name, "nodes": env.cluster.nodes,
+                                                         "node_rank": env.cluster.node_rank}}
+    # Under Azure ML and a PyTorchJob the system set them for this job; elsewhere a parent job left them.
+    present = [] if env.launcher in ("azureml", "pytorchjob") else [name for name in LAUNCH_VARIABLES if name in environ]
     findings = []
     if present:
         shown = ", ".join(f"{name}={environ[name]}" for name in present)
@@ -146,19 +150,21 @@ def topology(profile: Profile, source: str, gpus: int) -> dict:
 
 
 def as_launched(profile: Profile | None, environ: Mapping[str, str]) -> tuple[Profile | None, list[str], list[Finding]]:
-    """The profile as `toolkit launch` would use it here: inside `srun`, SLURM sets the topology."""
+    """The profile as `toolkit launch` would use it here: inside `srun`, SLURM sets the topology; on a Kubeflow,
+    SkyPilot or Azure ML node, that system's variables do."""
     try:
         launch_env = read_launch_env(environ, argv=["toolkit"])
-    except ValueError:
+    except (ValueError, UserError):
         return profile, [], []  # already reported as bad-launch-variable
     if profile is None:
         return profile, [], []
     try:
-        overrides, notes = slurm_overrides(profile, launch_env)
+        overrides, notes = system_overrides(profile, launch_env)
         profile = dataclasses.replace(profile, **overrides)
         check_profile(profile)
     except UserError as error:
-        return profile, [], [Finding("error", "slurm-mismatch", str(error))]
+        return profile, [], [Finding("error", "slurm-mismatch" if launch_env.cluster is None else "cluster-mismatch",
+                                     str(error))]
     return profile, notes, []
 
 
@@ -354,6 +360,9 @@ def format_report(report: dict) -> str:
     if env["launcher"] is not None:
         lines.append(f"launch env   {env['launcher']}, rank {env['rank']} of {env['world_size']}: engine `auto` picks "
                      f"{env['auto_engine']} ({env['auto_reason']})")
+    if env["cluster"] is not None:
+        cluster = env["cluster"]
+        lines.append(f"cluster      {cluster['name']}: node {cluster['node_rank']} of {cluster['nodes']}")
     lines += _profile_lines(report["profile"])
     lines.append(f"toolkit launch  engine {plan['engine']} ({plan['engine_reason']}; --engine changes it), and "
                  f"`auto` in the script then picks {plan['engine']}")

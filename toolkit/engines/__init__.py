@@ -17,6 +17,7 @@ import importlib
 
 from toolkit.engines.workers import freeze_what_is_loaded
 from toolkit.errors import UserError, install_excepthook
+from toolkit.launch.clusters import alone_under
 from toolkit.launch.engine_specs import AUTO_BY_LAUNCHER, ENGINE_SPECS
 from toolkit.launch.env import LaunchEnv, Threads, read_launch_env, threads_per_process
 
@@ -72,9 +73,12 @@ def build_accelerator(engine: str = "auto", **kwargs):
 
     `accelerator.threads` says how many intra-op threads each process runs, and why (`set_threads`).
     """
+    install_excepthook()  # before reading the environment: contradicting cluster variables are one sentence
     env = read_launch_env()
-    install_excepthook()
     freeze_what_is_loaded()
+    alone = alone_under(env.cluster, env.launcher, env.world_size)
+    if alone:
+        raise UserError(alone)
     if env.accelerate_lost_processes:
         raise UserError(
             "accelerate launch was asked for several processes but started only this one (a MULTI_CPU profile "

@@ -125,6 +125,7 @@ class AccelerateEngine:
             logging_dir = getattr(kwargs.get("project_config"), "logging_dir", None) or kwargs.get("project_dir")
             kwargs["log_with"] = for_accelerate(kwargs["log_with"], logging_dir)
         _cache_lomo_probe()
+        self._given_group = dist.is_initialized()  # Ray Train's, or the caller's: it outlives this engine
         _join_restarted_group(env, timeout, kwargs.get("cpu") or not torch.cuda.is_available())
         try:
             self.accelerator = Accelerator(**kwargs)
@@ -228,7 +229,11 @@ class AccelerateEngine:
     clear = free_memory
 
     def end_training(self):
-        self.accelerator.end_training()  # destroys the process group
+        if self._given_group:  # Accelerate's end_training would destroy a group it did not make
+            for tracker in self.accelerator.trackers:
+                tracker.finish()
+        else:
+            self.accelerator.end_training()  # destroys the process group
         release_ddp_wrappers(self._wrapped)
 
     def main_process_first(self):

@@ -46,6 +46,9 @@ AUTO_BY_LAUNCHER = {
     "torch.distributed.launch": "ddp",
     "spawn": "ddp",
     "slurm": "ddp",
+    "azureml": "ddp",
+    "pytorchjob": "ddp",
+    "ray": "ddp",
     "mpi": "ddp",
     "python": "single",
 }

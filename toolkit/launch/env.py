@@ -4,7 +4,9 @@ Every launcher leaves a different trail in the environment: torchrun and `accele
 torchrun inside) set RANK/WORLD_SIZE/LOCAL_RANK; the legacy `python -m torch.distributed.launch` also
 passes `--local-rank=N` (or `--local_rank=N`) on the command line; `toolkit.spawn` sets torchrun's variables plus
 TOOLKIT_LAUNCHER=spawn; `srun` sets SLURM_*; mpirun sets
-OMPI_*/PMI_*; plain `python` sets nothing. `read_launch_env()` turns that into one frozen `LaunchEnv`,
+OMPI_*/PMI_*; Azure ML and a Kubeflow PyTorchJob pod start plain processes with RANK/WORLD_SIZE of their own
+(toolkit/launch/clusters.py reads those systems, Kubeflow Trainer's and SkyPilot's node variables too); plain
+`python` sets nothing. `read_launch_env()` turns that into one frozen `LaunchEnv`,
 which the rest of the toolkit reads and never mutates.
 
 >>> env = read_launch_env(environ={}, argv=["train.py"])
@@ -20,6 +22,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from toolkit.launch.clusters import Cluster, read_cluster
 from toolkit.launch.engine_specs import LAUNCH_DEFAULT
 
 # Variables `accelerate launch` sets for its children, whichever launcher it picks.
@@ -31,7 +34,8 @@ _LEGACY_LOCAL_RANK = re.compile(r"^--local[-_]rank(?:=(\d+))?$")
 class LaunchEnv:
     """Who launched this process and where it sits in the world."""
 
-    launcher: str  # "torchrun", "accelerate", "torch.distributed.launch", "spawn", "slurm", "mpi" or "python"
+    launcher: str  # "torchrun", "accelerate", "torch.distributed.launch", "spawn", "slurm", "mpi", "azureml",
+    # "pytorchjob", "ray" or "python"
     rank: int
     local_rank: int
     world_size: int
@@ -64,6 +68,7 @@ class LaunchEnv:
     debug_step_ms: int | None = None
     omp_num_threads: int | None = None  # OMP_NUM_THREADS when it is a thread count (torchrun sets 1 for workers)
     cpu_cores: int = 1  # the cores this process may run on: its CPU affinity (taskset, srun --cpu-bind, cpuset)
+    cluster: Cluster | None = None  # Kubeflow, SkyPilot or Azure ML's job around this node (toolkit/launch/clusters.py)
 
     @property
     def is_distributed(self) -> bool:
@@ -178,13 +183,39 @@ def _torchrun_group(environ: Mapping[str, str], by_accelerate: bool, legacy_loca
         launcher = "spawn"
     elif legacy_local_rank is not None:
         launcher = "torch.distributed.launch"
+    elif _ray_worker(environ):  # Ray Train's worker: Ray formed the process group before the training function
+        launcher = "ray"
     else:
         launcher = "torchrun"
     world_size = _int(environ, "WORLD_SIZE")
     local_rank = _int(environ, "LOCAL_RANK", default=legacy_local_rank if legacy_local_rank is not None else 0)
-    return (launcher, _int(environ, "RANK"), world_size, local_rank,
-            _int(environ, "LOCAL_WORLD_SIZE", default=world_size), _int(environ, "GROUP_RANK", "NODE_RANK", default=0),
-            _int(environ, "GROUP_WORLD_SIZE", default=1))
+    local_world = _int(environ, "LOCAL_WORLD_SIZE", default=world_size)
+    nodes = max(1, world_size // max(1, local_world)) if launcher == "ray" else _int(environ, "GROUP_WORLD_SIZE", default=1)
+    return (launcher, _int(environ, "RANK"), world_size, local_rank, local_world,
+            _int(environ, "GROUP_RANK", "NODE_RANK", default=0), nodes)
+
+
+def _started_by(cluster: Cluster | None, environ: Mapping[str, str], by_accelerate: bool) -> bool:
+    """Whether the cluster system started this process itself, no launcher between: Azure ML one per GPU (RANK,
+    LOCAL_RANK), a PyTorchJob pod's command one per pod (RANK, no LOCAL_RANK)."""
+    launched = "TORCHELASTIC_RUN_ID" in environ or by_accelerate or environ.get("TOOLKIT_LAUNCHER") == "spawn"
+    return bool(cluster) and "RANK" in environ and not launched and (
+        cluster.name == "Azure ML" or cluster.name == "Kubeflow PyTorchJob" and "LOCAL_RANK" not in environ)
+
+
+def _system_world(environ: Mapping[str, str], cluster: Cluster) -> tuple:
+    """(launcher, rank, world size, local rank, local world size, node rank, nodes) of a process Azure ML or a
+    PyTorchJob started (RANK of a PyTorchJob is the pod's index: one process per pod)."""
+    launcher = "azureml" if cluster.name == "Azure ML" else "pytorchjob"
+    local_world = cluster.processes_per_node if launcher == "azureml" else 1
+    return (launcher, _int(environ, "RANK"), _int(environ, "WORLD_SIZE", default=cluster.nodes),
+            _int(environ, "LOCAL_RANK", default=0), local_world, cluster.node_rank, cluster.nodes)
+
+
+def _ray_worker(environ: Mapping[str, str]) -> bool:
+    """A Ray Train worker (ray.train.torch sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_*;
+    every Ray worker process has RAY_RAYLET_PID), not a torchrun started inside one (TORCHELASTIC_RUN_ID)."""
+    return "RAY_RAYLET_PID" in environ and "TORCHELASTIC_RUN_ID" not in environ
 
 
 def _mpi_world(environ: Mapping[str, str]) -> tuple:
@@ -231,14 +262,18 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
     master_addr = environ.get("MASTER_ADDR") or None
     master_port = _int(environ, "MASTER_PORT")
     use_cpu = cpu_profile(environ)
-
-    if "RANK" in environ and "WORLD_SIZE" in environ:  # torchrun, accelerate launch, legacy launch, spawn
+    slurm_step = "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ
+    # Under Ray Train, Ray's group is the job (a Ray cluster inside SLURM or Kubernetes: those describe Ray's nodes).
+    cluster = None if "RANK" in environ and _ray_worker(environ) else read_cluster(environ, slurm_step)
+    if _started_by(cluster, environ, by_accelerate):
+        launcher, rank, world_size, local_rank, local_world, node_rank, num_nodes = _system_world(environ, cluster)
+    elif "RANK" in environ and "WORLD_SIZE" in environ:  # torchrun, accelerate launch, legacy launch, spawn
         launcher, rank, world_size, local_rank, local_world, node_rank, num_nodes = _torchrun_group(
             environ, by_accelerate, legacy_local_rank)
     elif "OMPI_COMM_WORLD_SIZE" in environ or "PMI_SIZE" in environ:
         launcher = "mpi"
         rank, world_size, local_rank, local_world, node_rank, num_nodes = _mpi_world(environ)
-    elif "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ:  # inside `srun`, one task per rank
+    elif slurm_step:  # inside `srun`, one task per rank
         launcher = "slurm"
         rank, world_size, local_rank, local_world, node_rank, num_nodes, first_host = _slurm_step(environ)
         master_addr = master_addr or first_host
@@ -248,11 +283,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
         local_rank = legacy_local_rank or 0
 
     return LaunchEnv(
-        launcher=launcher,
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world_size,
-        local_world_size=local_world,
+        launcher=launcher, rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=local_world,
         node_rank=node_rank,
         device=_device(local_rank, use_cpu),
         master_addr=master_addr,
@@ -277,6 +308,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None, argv: Sequence[str
         debug_step_ms=_int(environ, "TOOLKIT_DEBUG_STEP_MS"),
         omp_num_threads=_thread_count(environ.get("OMP_NUM_THREADS")),
         cpu_cores=_cpu_cores(),
+        cluster=cluster,
     )
 
 

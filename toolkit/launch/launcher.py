@@ -348,6 +348,7 @@ def launch(args) -> int:
 def _launch(args) -> int:
     profile = load_profile(args.config_file)
     engine, _ = launch_engine(args.engine)
+    # A Kubeflow node's PET_* become torchrun's flags here; torchrun reads the same names as its flags' defaults.
     overrides, notes, min_nodes, max_restarts = topology_overrides(args, profile, engine, read_launch_env())
     if overrides:
         profile = dataclasses.replace(profile, **overrides)

@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 
 # Importing these creates the loggers that print the OMP_NUM_THREADS banner, "Sending process N closing
 # signal" and "failed (exitcode: 2)" on every failure; the worker's own sentence is all the user needs.
@@ -76,7 +77,10 @@ def note_stop(line: str):
 def catch_signals(handler, signals=(signal.SIGINT, signal.SIGTERM)) -> dict:
     """Install `handler` for each of `signals`; returns the handlers it replaced, to restore. A SIGINT ignored on
     entry stays ignored, as POSIX has it: a shell starts a background job (`cmd &`, nohup) with SIGINT ignored,
-    and the job must not then stop on a Ctrl-C meant for the foreground."""
+    and the job must not then stop on a Ctrl-C meant for the foreground. Off the main thread (Ray Train runs the
+    training function in a thread of its worker) nothing is installed: the host process owns the signals there."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
     return {sig: signal.signal(sig, handler) for sig in signals
             if not (sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN)}
 

@@ -1,4 +1,5 @@
-"""Where a launch's topology comes from besides its profile: SLURM's allocation inside `srun`, the flags
+"""Where a launch's topology comes from besides its profile: SLURM's allocation inside `srun`, a Kubeflow, SkyPilot
+or Azure ML node's variables (toolkit/launch/clusters.py), the flags
 (--num_processes, --machine_rank, --main_process_port) and an elastic --nnodes MIN:MAX.
 """
 
@@ -8,6 +9,7 @@ from toolkit.errors import UserError
 from toolkit.launch.engine_specs import engine_spec, engines_where
 from toolkit.launch.env import LaunchEnv
 from toolkit.launch.profiles import Profile
+from toolkit.launch.rendezvous import MULTI_NODE_PORT
 
 ELASTIC_RESTARTS = 3  # an elastic launch's default --max_restarts: each lost machine costs one
 
@@ -17,7 +19,7 @@ ELASTIC_RESTARTS = 3  # an elastic launch's default --max_restarts: each lost ma
 def topology_overrides(args, profile: Profile, engine: str, env: LaunchEnv) -> tuple[dict, list[str], int | None, int]:
     """(the profile fields to override, the notes that say so, the elastic minimum of machines or None, the
     launcher's --max_restarts) for `toolkit launch`'s arguments."""
-    overrides, notes = slurm_overrides(profile, env)
+    overrides, notes = system_overrides(profile, env)
     for flag in ("num_processes", "machine_rank", "main_process_port"):
         if getattr(args, flag) is not None:
             overrides[flag] = getattr(args, flag)
@@ -32,6 +34,36 @@ def topology_overrides(args, profile: Profile, engine: str, env: LaunchEnv) -> t
                      f"rendezvous; a lost machine ends the round and the rest resume from the latest checkpoint "
                      f"(up to {max_restarts} restarts); the launch handshake is left to that rendezvous.")
     return overrides, notes, min_nodes, max_restarts
+
+
+def system_overrides(profile: Profile, env: LaunchEnv) -> tuple[dict, list[str]]:
+    """What the system that started this node decides of the topology: a Kubeflow, SkyPilot or Azure ML job's
+    variables, or SLURM's allocation."""
+    return cluster_overrides(profile, env) if env.cluster else slurm_overrides(profile, env)
+
+
+def cluster_overrides(profile: Profile, env: LaunchEnv) -> tuple[dict, list[str]]:
+    """On a Kubeflow, SkyPilot or Azure ML node, the system decides the topology (toolkit/launch/clusters.py): its
+    node count, this node's rank and the main node's address and port; its processes per node when it names a
+    number (PET_NPROC_PER_NODE), else the profile's."""
+    cluster = env.cluster
+    if env.launcher == "azureml":
+        raise UserError("Azure ML starts one process per GPU itself (RANK, LOCAL_RANK are set): run the script with "
+                        "plain python in the job's command, not under toolkit launch.")
+    if env.launcher not in ("python", "pytorchjob"):
+        raise UserError(f"toolkit launch runs once per {cluster.name} node, but {env.launcher} started this "
+                        "process; put `toolkit launch` itself in the job's command.")
+    per_node = cluster.processes_per_node or profile.processes_per_machine
+    overrides = {"num_machines": cluster.nodes, "machine_rank": cluster.node_rank, "num_processes": per_node * cluster.nodes}
+    where = ""
+    if cluster.nodes > 1:
+        if not cluster.master_addr:
+            raise UserError(f"{cluster.name} names no main node (SKYPILOT_NODE_IPS is empty); the nodes cannot meet.")
+        port = cluster.master_port or profile.main_process_port or MULTI_NODE_PORT  # the profile's 0: a free port
+        overrides.update(main_process_ip=cluster.master_addr, main_process_port=port)
+        where = f", main node {cluster.master_addr}:{port}"
+    return overrides, [f"{cluster.name}: node {cluster.node_rank} of {cluster.nodes}, {per_node} process(es) per "
+                       f"node{where}."]
 
 
 def slurm_overrides(profile: Profile, env: LaunchEnv) -> tuple[dict, list[str]]:

@@ -35,12 +35,12 @@ from toolkit.checkpoint.functional import (check_run_state, checkpoint_folder, f
 from toolkit.checkpoint.state import holds_registered
 from toolkit.train.config_changes import config_changes
 from toolkit.train.confusion import ConfusionPicture
-from toolkit.train.cost import (StepCost, mfu, peak_flops, peak_memory_bytes, peak_range,
-                                seconds_since_process_start)
+from toolkit.train.cost import StepCost, mfu, peak_flops, peak_memory_bytes, peak_range, seconds_since_process_start
 from toolkit.train.data_position import epoch_batches, resume_position
 from toolkit.train.divergence import DivergenceWatch
 from toolkit.train.plan_check import PlanCheck
 from toolkit.train.profiling import StepProfiler
+from toolkit.train.ray_report import report_checkpoint, report_summary
 from toolkit.train.records import RunRecorder, Throughput, average_figures, check_fresh_output_dir
 from toolkit.train.resume import Resume, load_weights_and_schedule, schedule_among
 
@@ -80,16 +80,13 @@ class TrainingRun:
         self.picture = ConfusionPicture(self.records.dir / "confusion.png")  # drawn by the main process alone
         # Earlier attempts (a resume's history, as of the checkpoint it resumed from), and where this one began.
         self.attempts, self.first_step = [], 0
-        # A --resume of a run that had already ended: its summary.json, which stands (nothing is trained or
-        # rewritten); the recipe returns it.
-        self.finished = None
+        self.finished = None  # a --resume of a run that had ended: its summary.json, which stands
         self._progress = self._tick = self._resumed_from = None
         self.keeper = BestCheckpoint(cfg.keep_best, self.checkpoints, cfg.keep, accelerator.is_main_process, self.say)
         self.peak_memory = None  # (least, most) over ranks, at the last evaluation
         self.plan_check = PlanCheck(forecast, accelerator, compiled=bool(getattr(cfg, "compile", False)))
-        # Loud warnings for a run that trains to nothing with exit 0: a schedule too short to start at the full lr
-        # (said by `run.divergence.started(classes)` after the start line) and evaluations that diverge or stay at
-        # chance; `warnings` holds those lines (the start-time one from here on), for the summary.
+        # Loud warnings for a run that trains to nothing with exit 0: a schedule too short for the full lr (said
+        # by `run.divergence.started(classes)`), evaluations that diverge or stay at chance; `warnings` holds them.
         self.divergence = DivergenceWatch(self.total_steps, cfg.lr, plan.global_batch, cfg.warmup, say=self.say,
                                           check_schedule=self.total_steps == cfg.epochs * self.steps_per_epoch)
         self.warnings = self.divergence.warnings
@@ -255,6 +252,7 @@ class TrainingRun:
         if self.accelerator.is_main_process:
             seal_if_unsealed(folder, self.step, self.accelerator.num_processes)
             finish_checkpoint(self.checkpoints, Path(folder), self.cfg.keep)
+        report_checkpoint(self, folder)  # under Ray Train: into Ray's storage, which restores it after a failure
         saving = time.perf_counter() - self._saving_at
         self.cost.saved(saving)
         if self._tick is not None:
@@ -391,6 +389,7 @@ class TrainingRun:
             warnings=list(dict.fromkeys(line for a in attempts for line in a.get("warnings", []))), **extra,
             config=self.config)
         self.records.close()
+        report_summary(self, summary)
         skipped, rate = summary["skipped_steps"], summary["images_per_s"]
         accelerator.print(f"done: test accuracy {summary['test_accuracy']:.4f}"
                           + (f", {rate} {self.unit}/s" if rate is not None else "")
