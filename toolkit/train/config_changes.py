@@ -26,7 +26,7 @@ FREE = {"engine", "micro_batch_size", "timeout", "log_with", "keep", "checkpoint
         "checkpoint_format", "workers", "compile", "channels_last", "skip_nonfinite", "data_dir", "weights",
         "activation_checkpointing", "keep_best", "peak_tflops", "profile_steps", "memory"}
 # Not compared: how this run was started and where its folder is now, not what it trains.
-IGNORED = {"resume", "allow_config_change", "output_dir"}
+IGNORED = {"resume", "allow_config_change", "output_dir", "print_config"}
 NAMES = {"mixed_precision": "mixed precision", "classes": "classes"}
 
 
