@@ -63,6 +63,7 @@ class Mutation:
     patch: object  # fn(original, module) -> the broken replacement; or a SourceEdit of the target's lines
     caught_by: tuple  # pytest node ids that must fail with the bug in (the cheapest that do)
     breaks: str  # the invariant, in words
+    needs: str | None = None  # a module the catching tests need, from an extra (they skip without it)
 
     def _owner(self, module) -> tuple:
         """(the object holding `target`, its attribute name, the original); Stale when it is not there."""
@@ -505,5 +506,5 @@ MUTATIONS = {
     "ray-group-destroyed": Mutation(
         "toolkit.engines.group", "ProcessGroupMixin.end_training", _destroys_a_given_group,
         ("tests/test_ray.py::test_ray_workers_train_the_losses_of_two_torchrun_ranks_in_rays_group[auto]",),
-        "Ray Train: the process group Ray made is destroyed at the end of training"),
+        "Ray Train: the process group Ray made is destroyed at the end of training", needs="ray"),
 }

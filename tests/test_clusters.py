@@ -11,7 +11,6 @@ sets, start the same run as `toolkit launch --nnodes 2`:
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
