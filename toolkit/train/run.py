@@ -64,7 +64,7 @@ class TrainingRun:
         self.steps_per_epoch = self.micro_per_epoch // plan.accumulation
         self.total_steps = min(cfg.epochs * self.steps_per_epoch, cfg.max_steps or cfg.epochs * self.steps_per_epoch)
         # The resolved config, as it ran (the micro-batch the plan chose): saved with every checkpoint, in
-        # summary.json, and as the flags in config.yaml (--config reads it back); a recipe may add to it.
+        # summary.json, and as the flags in config.yaml once training starts (--config reads it back).
         self.config = {**asdict(cfg), "micro_batch_size": plan.micro_batch, "mixed_precision": accelerator.mixed_precision}
         self.step = self.epoch = self.batch = 0  # batch: micro-batches of `epoch` done, whole optimizer steps
         self.throughput = Throughput()
@@ -76,7 +76,6 @@ class TrainingRun:
         self.profiler = StepProfiler(getattr(cfg, "profile_steps", None), Path(cfg.output_dir) / "profile",
                                      accelerator.process_index, accelerator.is_main_process, self.say)
         self.records = RunRecorder(cfg.output_dir, active=accelerator.is_main_process)
-        self.records.write_config(cfg, self.config)
         self.picture = ConfusionPicture(self.records.dir / "confusion.png")  # drawn by the main process alone
         # Earlier attempts (a resume's history, as of the checkpoint it resumed from), and where this one began.
         self.attempts, self.first_step = [], 0
@@ -113,7 +112,8 @@ class TrainingRun:
     def batches(self, loader):
         """This epoch's micro-batches from where the run stands (a mid-epoch resume jumps there), stopping at
         the epoch's last whole optimizer step or the run's last step."""
-        if self._progress is None:
+        if self._progress is None:  # this attempt trains: config.yaml holds its flags (a finished run's stays)
+            self.records.write_config(self.cfg, self.config)
             if self.accelerator.num_processes > 1 and not self.accelerator.is_main_process:
                 install_excepthook(own_line=True)  # the main process's progress bar may now be on the terminal
             self._progress = tqdm(total=self.total_steps, initial=self.step, dynamic_ncols=True,
